@@ -1,0 +1,41 @@
+"""distrib: TensorFlow's tf.distribute programming model on CuPy and NCCL, with a NumPy CPU emulator."""
+
+from distrib import errors
+from distrib.collective.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
+                                                 ReductionToOneDevice)
+from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
+                             in_cross_replica_context)
+from distrib.mirrored import MirroredStrategy
+from distrib.options import (CommunicationImplementation, CommunicationOptions, InputOptions, InputReplicationMode,
+                             ReduceOp, RunOptions)
+from distrib.strategy import ReplicaContext, Strategy, StrategyExtended, ValueContext
+from distrib.values import DistributedValues, Mirrored, PerReplica
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "CrossDeviceOps",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "InputOptions",
+    "InputReplicationMode",
+    "Mirrored",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "RunOptions",
+    "Strategy",
+    "StrategyExtended",
+    "ValueContext",
+    "errors",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]

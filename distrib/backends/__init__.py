@@ -1,0 +1,100 @@
+"""Backend selection: `detect()` picks "cuda" when CuPy sees a GPU and NCCL loads, else "cpu", and says why.
+
+`DISTRIB_BACKEND=cpu|cuda` forces one; forcing a backend that cannot run raises `BackendUnavailableError`
+naming what is missing. Nothing falls back silently: the choice and its reason are logged once per process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+
+from distrib.backends.base import Backend
+from distrib.errors import BackendUnavailableError
+
+logger = logging.getLogger("distrib")
+
+_CLASSES = {"cpu": ("distrib.backends.cpu", "CpuBackend"), "cuda": ("distrib.backends.cuda", "CudaBackend")}
+_INSTANCES: dict[str, Backend] = {}
+_DETECTED: list[tuple[str, str]] = []
+_LOGGED: set[str] = set()
+_LOCK = threading.RLock()
+
+
+def _log_once(kind: str, message: str) -> None:
+    if kind in _LOGGED:
+        return
+    _LOGGED.add(kind)
+    # A library must not configure logging, but this one line should reach users who have not either.
+    if not logging.getLogger().handlers and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("distrib: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    logger.info(message)
+
+
+def cuda_problem() -> str | None:
+    """Why the CUDA backend cannot run here (None if it can): which of CuPy, a GPU or NCCL is missing."""
+    if importlib.util.find_spec("cupy") is None:
+        return "CuPy is not installed (pip install 'distrib[cuda12]' or 'distrib[cuda13]')"
+    try:
+        import cupy
+    except Exception as exc:  # a broken CuPy install is as good as none
+        return f"CuPy failed to import ({type(exc).__name__}: {exc})"
+    if not cupy.is_available():
+        return "CuPy sees no CUDA GPU (no driver, or CUDA_VISIBLE_DEVICES hides them all)"
+    try:
+        from cupy.cuda import nccl
+    except Exception as exc:
+        return f"cupy.cuda.nccl failed to import ({exc}); pip install nvidia-nccl-cu12 (in distrib[cuda12])"
+    if not getattr(nccl, "available", False):
+        return "NCCL is not loadable; pip install nvidia-nccl-cu12 (in distrib[cuda12]) or nvidia-nccl-cu13"
+    if importlib.util.find_spec(_CLASSES["cuda"][0]) is None:
+        return "this build of distrib has no CUDA backend module"
+    return None
+
+
+def detect() -> str:
+    """The backend kind to use by default: $DISTRIB_BACKEND if set, else "cuda" when usable, else "cpu"."""
+    with _LOCK:
+        if not _DETECTED:
+            forced = os.environ.get("DISTRIB_BACKEND", "").strip().lower()
+            if forced:
+                if forced not in _CLASSES:
+                    raise ValueError(f"DISTRIB_BACKEND must be 'cpu' or 'cuda'. Received: {forced!r}.")
+                if forced == "cuda" and (problem := cuda_problem()):
+                    raise BackendUnavailableError(f"DISTRIB_BACKEND=cuda, but {problem}.")
+                _DETECTED.append((forced, f"DISTRIB_BACKEND={forced}"))
+            elif (problem := cuda_problem()) is None:
+                _DETECTED.append(("cuda", "CuPy sees a GPU and NCCL is loadable"))
+            else:
+                _DETECTED.append(("cpu", problem))
+            kind, reason = _DETECTED[0]
+            _log_once(kind, f"using the {kind} backend ({'emulated devices: ' if kind == 'cpu' else ''}{reason})")
+        return _DETECTED[0][0]
+
+
+def get_backend(kind: str | None = None) -> Backend:
+    """The process-wide backend instance of `kind` ("cpu" or "cuda"); None means `detect()`."""
+    with _LOCK:
+        if kind is None:
+            kind = detect()
+        else:
+            _log_once(kind, f"using the {kind} backend (the strategy names {kind.upper() if kind == 'cpu' else 'GPU'} "
+                            f"devices{'; emulated on NumPy' if kind == 'cpu' else ''})")
+        if kind not in _INSTANCES:
+            if kind not in _CLASSES:
+                raise ValueError(f"Unknown backend {kind!r}: expected 'cpu' or 'cuda'.")
+            if kind == "cuda" and (problem := cuda_problem()):
+                raise BackendUnavailableError(f"GPU devices need the CUDA backend, but {problem}.")
+            module, cls = _CLASSES[kind]
+            _INSTANCES[kind] = getattr(importlib.import_module(module), cls)()
+        return _INSTANCES[kind]
+
+
+__all__ = ["Backend", "cuda_problem", "detect", "get_backend"]

@@ -1,0 +1,199 @@
+"""Cross-device ops: NcclAllReduce, HierarchicalCopyAllReduce and ReductionToOneDevice, executed on any backend.
+
+They work on plain arrays, one per device (`components[r]` lives on `devices[r]`); the strategy layer handles
+distributed values. Packing follows `collective/plan.py`; `CommunicationOptions.bytes_per_pack`, when set,
+bounds every pack of every op (TensorFlow ignores it for NCCL, which led to out-of-memory packs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from distrib.backends.base import Backend
+from distrib.collective import plan as planner
+from distrib.devices import HOST
+from distrib.options import CommunicationOptions, ReduceOp
+
+
+def _is_float(array: Any) -> bool:
+    return array.dtype.kind in "fc"
+
+
+def _finish_mean(array: Any, count: int, done: bool) -> Any:
+    """Integer MEAN is computed as SUM then true division, so 1..4 averages to 2.5 (as TensorFlow returns)."""
+    return array if done else array / count
+
+
+class CrossDeviceOps:
+    """Base class: reductions, broadcasts and gathers of per-device arrays."""
+
+    def batch_all_reduce(self, backend: Backend, op: ReduceOp, values: Sequence[Sequence[Any]],
+                         devices: Sequence[str], options: CommunicationOptions) -> list[list[Any]]:
+        """`values[v][r]` is value v on replica r; returns the reduced values in the same layout."""
+        raise NotImplementedError
+
+    def reduce_to(self, backend: Backend, op: ReduceOp, components: Sequence[Any], devices: Sequence[str],
+                  destinations: Sequence[str]) -> list[Any]:
+        """Reduces one array per device onto `destinations` (device names, or ('host',) for NumPy)."""
+        total = backend.add_n(list(components), devices[0] if destinations[0] == HOST else destinations[0])
+        if op is ReduceOp.MEAN:
+            if _is_float(total):
+                total /= len(components)
+            else:
+                total = total / len(components)
+        if tuple(destinations) == (HOST,):
+            return [backend.to_host(total)]
+        return [total] + [backend.copy(total, d) for d in destinations[1:]]
+
+    def broadcast(self, backend: Backend, array: Any, destinations: Sequence[str]) -> list[Any]:
+        return backend.broadcast(array, list(destinations))
+
+    def all_gather(self, backend: Backend, components: Sequence[Any], devices: Sequence[str],
+                   axis: int) -> list[Any]:
+        """Concatenation of the components along `axis` on every device; lengths along `axis` may differ."""
+        xp = backend.xp
+        fronts = [xp.moveaxis(c, axis, 0) for c in components]
+        lengths = [f.shape[0] for f in fronts]
+        longest = max(lengths)
+        rest = fronts[0].shape[1:]
+        if any(n != longest for n in lengths):  # pad to the longest, gather, then strip the padding
+            padded = []
+            for front, device in zip(fronts, devices):
+                pad = backend.empty((longest,) + rest, front.dtype, device)
+                pad[:front.shape[0]] = front
+                pad[front.shape[0]:] = 0
+                padded.append(pad)
+            fronts = padded
+        flats = [xp.ascontiguousarray(f).reshape(-1) for f in fronts]
+        results = []
+        for gathered in backend.all_gather(flats, list(devices)):
+            blocks = gathered.reshape((len(components), longest) + rest)
+            if any(n != longest for n in lengths):
+                joined = xp.concatenate([blocks[r, :n] for r, n in enumerate(lengths)], axis=0)
+            else:
+                joined = blocks.reshape((len(components) * longest,) + rest)
+            results.append(xp.moveaxis(joined, 0, axis))
+        return results
+
+
+class ReductionToOneDevice(CrossDeviceOps):
+    """Sums every value on one device, then copies the result to each destination.
+
+    Args:
+      reduce_to_device: where the sum is computed; default: the first destination.
+      accumulation_fn: sums a list of same-device arrays; default: the backend's in-order add_n.
+
+    Example:
+      >>> import distrib
+      >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=distrib.ReductionToOneDevice())
+    """
+
+    def __init__(self, reduce_to_device: str | None = None, accumulation_fn: Callable | None = None):
+        self.reduce_to_device = reduce_to_device
+        self.accumulation_fn = accumulation_fn
+
+    def batch_all_reduce(self, backend, op, values, devices, options):
+        out = []
+        for components in values:
+            target = self.reduce_to_device or devices[0]
+            if self.accumulation_fn is not None:
+                total = self.accumulation_fn([backend.copy(c, target) for c in components])
+            else:
+                total = backend.add_n(list(components), target)
+            if op is ReduceOp.MEAN:
+                total = total / len(components)
+            out.append(backend.broadcast(total, list(devices)))
+        return out
+
+    def __repr__(self) -> str:
+        return f"ReductionToOneDevice(reduce_to_device={self.reduce_to_device!r})"
+
+
+class _PackedAllReduce(CrossDeviceOps):
+    """Shared by the all-reduce ops: plan packs, pack, reduce each pack, unpack."""
+
+    def __init__(self, num_packs: int = 1):
+        if isinstance(num_packs, bool) or not isinstance(num_packs, int):
+            raise TypeError(f"num_packs must be an int. Received: {num_packs!r}.")
+        if num_packs < 0:
+            raise ValueError(f"num_packs must be non-negative. Received: {num_packs}.")
+        self.num_packs = num_packs
+
+    def plan(self, specs: Sequence[tuple], options: CommunicationOptions) -> planner.Plan:
+        """The packing plan: by bytes when `options.bytes_per_pack` is set, else concat-and-split by num_packs."""
+        if options.bytes_per_pack > 0:
+            return planner.plan_by_size(specs, options.bytes_per_pack)
+        return planner.plan_concat_split(specs, self.num_packs)
+
+    def _reduce_flats(self, backend, flats, buffer, devices, mean):
+        raise NotImplementedError
+
+    def batch_all_reduce(self, backend, op, values, devices, options):
+        count = len(devices)
+        plan = self.plan([(v[0].shape, v[0].dtype) for v in values], options)
+        results: list[list[Any]] = [[None] * count for _ in values]
+        for buffer in plan.buffers:
+            members = buffer.members
+            float_mean = op is ReduceOp.MEAN and buffer.dtype[0] in "fc"
+            flats = [backend.pack([values[m.index][r] for m in members], buffer, devices[r]) for r in range(count)]
+            for r, flat in enumerate(self._reduce_flats(backend, flats, buffer, list(devices), float_mean)):
+                for member, array in zip(members, backend.unpack(flat, buffer)):
+                    if op is ReduceOp.MEAN:
+                        array = _finish_mean(array, count, float_mean)
+                    results[member.index][r] = array
+        return results
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_packs={self.num_packs})"
+
+
+class NcclAllReduce(_PackedAllReduce):
+    """All-reduce through the backend's collective: NCCL on GPUs, in-order sums on the CPU emulator.
+
+    Args:
+      num_packs: with `bytes_per_pack` unset, each dtype's values are concatenated and cut into this many
+        calls (0: one call per value).
+
+    Example:
+      >>> import distrib
+      >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=distrib.NcclAllReduce(num_packs=2))
+    """
+
+    def _reduce_flats(self, backend, flats, buffer, devices, mean):
+        return backend.all_reduce(flats, buffer.chunks, devices, mean)
+
+
+class HierarchicalCopyAllReduce(_PackedAllReduce):
+    """TensorFlow's DGX-1 scheme: each half of the devices sums on one member, the halves swap, then copy out.
+
+    For pack i the sum is built on device `m0 = i % n` (its half) and on `m1` in the other half, so packs
+    spread the work over devices. Works for any device count; with one device it is a copy.
+    """
+
+    def _reduce_flats(self, backend, flats, buffer, devices, mean):
+        n = len(devices)
+        outs = [backend.empty(flats[0].shape, flats[0].dtype, d) for d in devices]
+        for pack, (start, stop) in enumerate(buffer.chunks):
+            parts = [f[start:stop] for f in flats]
+            if n == 1:
+                outs[0][start:stop] = parts[0]
+                continue
+            halves = (list(range(n // 2)), list(range(n // 2, n)))
+            m0 = pack % n
+            near, far = halves if m0 in halves[0] else halves[::-1]
+            m1 = far[pack % len(far)]
+            total = backend.add_n([backend.add_n([parts[i] for i in near], devices[m0]),
+                                   backend.copy(backend.add_n([parts[i] for i in far], devices[m1]), devices[m0])],
+                                  devices[m0])
+            if mean:
+                total /= n
+            total_far = backend.copy(total, devices[m1])
+            for group, source in ((near, total), (far, total_far)):
+                for i in group:
+                    outs[i][start:stop] = source if i in (m0, m1) else backend.copy(source, devices[i])
+        return outs
+
+
+def default_cross_device_ops(backend: Backend) -> CrossDeviceOps:
+    """NcclAllReduce(num_packs=1) on every backend: one packed all-reduce per dtype."""
+    return NcclAllReduce(num_packs=1)

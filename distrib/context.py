@@ -1,0 +1,88 @@
+"""The thread-local context stack: which strategy is current, and whether code runs per replica or cross-replica."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Iterator, NamedTuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distrib.strategy import ReplicaContext, Strategy
+
+
+class Frame(NamedTuple):
+    """One entry of the stack: the strategy, and the replica context (None when cross-replica)."""
+
+    strategy: "Strategy"
+    replica_context: "ReplicaContext | None"
+
+
+_default: list[Frame] = []  # [Frame(default strategy, default replica context)], set by strategy.py
+_local = threading.local()
+
+
+def set_default_frame(frame: Frame) -> None:
+    """Installs the default strategy's frame, which every thread's stack starts with."""
+    _default[:] = [frame]
+
+
+def _stack() -> list[Frame]:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = list(_default)
+    return stack
+
+
+def current() -> Frame:
+    """The innermost frame of this thread."""
+    return _stack()[-1]
+
+
+def is_default(strategy: "Strategy") -> bool:
+    return bool(_default) and strategy is _default[0].strategy
+
+
+@contextlib.contextmanager
+def frame(strategy: "Strategy", replica_context: "ReplicaContext | None") -> Iterator[None]:
+    """Pushes a frame for the duration of the block (restored even if the block raises)."""
+    stack = _stack()
+    stack.append(Frame(strategy, replica_context))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def get_strategy() -> "Strategy":
+    """The current strategy: the innermost `scope()` or `run()`, else the default (single-replica) strategy.
+
+    Example:
+      >>> import distrib
+      >>> distrib.get_strategy().num_replicas_in_sync
+      1
+    """
+    return current().strategy
+
+
+def has_strategy() -> bool:
+    """True inside a non-default strategy's `scope()` or `run()`."""
+    return not is_default(current().strategy)
+
+
+def get_replica_context() -> "ReplicaContext | None":
+    """The current `ReplicaContext`, or None in a cross-replica context (inside `scope()` but outside `run()`).
+
+    Outside any strategy this is the default replica context: replica 0 of 1.
+    """
+    return current().replica_context
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's `scope()` (or a `merge_call`'s merge_fn) but not inside a replica function."""
+    return current().replica_context is None
+
+
+def get_cross_replica_context() -> "Strategy | None":
+    """The current strategy when in a cross-replica context, else None."""
+    top = current()
+    return top.strategy if top.replica_context is None else None

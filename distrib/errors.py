@@ -1,0 +1,49 @@
+"""The exceptions distrib raises, all rooted in DistribError and a matching builtin.
+
+    Exception
+    └── DistribError
+        ├── DeadlineExceededError  (+ TimeoutError)  a collective waited past its timeout
+        ├── CollectiveMismatchError (+ ValueError)   replicas passed different structures/shapes/dtypes
+        ├── MergeCallMismatchError (+ RuntimeError)  replicas made different numbers of merge_call calls
+        ├── ContextError           (+ RuntimeError)  an API called in the wrong (replica/cross-replica) context
+        └── BackendUnavailableError (+ RuntimeError) the requested backend cannot run here
+
+Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class derives from the
+builtin a TensorFlow user would catch, so `except ValueError` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class DistribError(Exception):
+    """Base class of every error distrib raises itself."""
+
+
+class DeadlineExceededError(DistribError, TimeoutError):
+    """A collective did not complete within `CommunicationOptions.timeout_seconds`.
+
+    Attributes:
+      missing_replicas: replica ids that never joined the collective.
+      operation: name of the collective that timed out.
+    """
+
+    def __init__(self, message: str, *, missing_replicas: tuple[int, ...] = (), operation: str = ""):
+        super().__init__(message)
+        self.missing_replicas = tuple(missing_replicas)
+        self.operation = operation
+
+
+class CollectiveMismatchError(DistribError, ValueError):
+    """Replicas passed incompatible values (structure, shape or dtype) to one collective."""
+
+
+class MergeCallMismatchError(DistribError, RuntimeError):
+    """Replicas made different numbers of `merge_call` calls (every collective is one)."""
+
+
+class ContextError(DistribError, RuntimeError):
+    """An API was called in a context where it is not allowed (replica vs cross-replica)."""
+
+
+class BackendUnavailableError(DistribError, RuntimeError):
+    """The backend that was asked for cannot run on this machine; the message says what to install."""

@@ -1,0 +1,146 @@
+"""Option objects and enums: ReduceOp, CommunicationOptions, CommunicationImplementation, RunOptions, InputOptions."""
+
+from __future__ import annotations
+
+import enum
+import numbers
+from dataclasses import dataclass, field, replace
+
+
+class ReduceOp(enum.Enum):
+    """How values are combined across replicas: SUM or MEAN.
+
+    Strings are accepted wherever a ReduceOp is, in any case: `"sum"`, `"Mean"`.
+
+    Example:
+      >>> ReduceOp.from_value("mean")
+      <ReduceOp.MEAN: 'MEAN'>
+    """
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+
+    @classmethod
+    def from_value(cls, value: object) -> "ReduceOp":
+        """Converts a ReduceOp or a string naming one; raises ValueError for any other op."""
+        if isinstance(value, ReduceOp):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                pass
+            raise ValueError(f"Only SUM and MEAN are supported reduce ops. Received: {value!r}.")
+        name = getattr(value, "name", None)  # a VariableAggregation or TensorFlow's ReduceOp
+        if isinstance(name, str) and name.upper() in cls.__members__:
+            return cls[name.upper()]
+        raise ValueError(f"Only SUM and MEAN are supported reduce ops (a ReduceOp or a string). "
+                         f"Received: {value!r} of type {type(value).__name__}.")
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective implementation to prefer: AUTO, RING (host/emulated) or NCCL (GPUs)."""
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+    @classmethod
+    def from_value(cls, value: object) -> "CommunicationImplementation":
+        if isinstance(value, CommunicationImplementation):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(f"implementation must be one of AUTO, RING, NCCL. Received: {value!r}.")
+
+
+@dataclass(frozen=True)
+class CommunicationOptions:
+    """Options for collectives: packing, timeout and implementation.
+
+    Args:
+      bytes_per_pack: values are packed into chunks of at least this many bytes (TensorFlow's rule: a pack is
+        closed once it *exceeds* the limit); 0 means one pack per dtype. distrib honours it for every
+        cross-device op, not only the collective one, so large models never build one giant buffer.
+      timeout_seconds: how long replicas wait at a collective for the others before
+        `distrib.errors.DeadlineExceededError`; None uses the strategy default (see the README).
+      implementation: a `CommunicationImplementation` or its name, in any case.
+
+    Example:
+      >>> opts = CommunicationOptions(bytes_per_pack=32 << 20, timeout_seconds=60)
+      >>> opts.merge(CommunicationOptions(timeout_seconds=5)).timeout_seconds
+      5
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: CommunicationImplementation = field(default=CommunicationImplementation.AUTO)
+
+    def __post_init__(self):
+        if isinstance(self.bytes_per_pack, bool) or not isinstance(self.bytes_per_pack, numbers.Integral):
+            raise TypeError(f"bytes_per_pack must be an int. Received: {self.bytes_per_pack!r}.")
+        if self.bytes_per_pack < 0:
+            raise ValueError(f"bytes_per_pack must be non-negative. Received: {self.bytes_per_pack}.")
+        if self.timeout_seconds is not None:
+            if isinstance(self.timeout_seconds, bool) or not isinstance(self.timeout_seconds, numbers.Real):
+                raise TypeError(f"timeout_seconds must be a number or None. Received: {self.timeout_seconds!r}.")
+            if self.timeout_seconds < 0:
+                raise ValueError(f"timeout_seconds must be non-negative. Received: {self.timeout_seconds}.")
+        object.__setattr__(self, "bytes_per_pack", int(self.bytes_per_pack))
+        object.__setattr__(self, "implementation", CommunicationImplementation.from_value(self.implementation))
+
+    def merge(self, other: "CommunicationOptions | None") -> "CommunicationOptions":
+        """A copy of self where each field `other` set away from its default overrides (TensorFlow's rule)."""
+        if other is None:
+            return self
+        if not isinstance(other, CommunicationOptions):
+            raise TypeError(f"options must be a CommunicationOptions. Received: {type(other).__name__}.")
+        changes = {}
+        if other.bytes_per_pack != 0:
+            changes["bytes_per_pack"] = other.bytes_per_pack
+        if other.timeout_seconds is not None:
+            changes["timeout_seconds"] = other.timeout_seconds
+        if other.implementation is not CommunicationImplementation.AUTO:
+            changes["implementation"] = other.implementation
+        return replace(self, **changes) if changes else self
+
+    @property
+    def timeout(self) -> float | None:
+        """The timeout in seconds, with 0 meaning none."""
+        return self.timeout_seconds or None
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Options for `Strategy.run`; accepted for TensorFlow compatibility (its fields only affect TPUs)."""
+
+    experimental_enable_dynamic_batch_size: bool = True
+    experimental_bucketizing_dynamic_shape: bool = False
+    experimental_xla_options: object = None
+
+
+class InputReplicationMode(enum.Enum):
+    """Whether an input pipeline is built once per worker or once per replica."""
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    """Options for distributed input: device prefetch and replication mode."""
+
+    experimental_fetch_to_device: bool = True
+    experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
+    experimental_place_dataset_on_device: bool = False
+    experimental_per_replica_buffer_size: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.experimental_replication_mode, InputReplicationMode):
+            raise TypeError("experimental_replication_mode must be an InputReplicationMode. "
+                            f"Received: {self.experimental_replication_mode!r}.")
+        size = self.experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise ValueError(f"experimental_per_replica_buffer_size must be an int >= 1. Received: {size!r}.")
+        if self.experimental_place_dataset_on_device and self.experimental_fetch_to_device:
+            raise ValueError("experimental_place_dataset_on_device=True requires experimental_fetch_to_device=False.")
