@@ -22,13 +22,13 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from distrib import context
-from distrib.backends import Backend, detect, get_backend
+from distrib.backends import Backend, cuda_problem, detect, get_backend
 from distrib.collective.cross_device_ops import CrossDeviceOps, default_cross_device_ops
 from distrib.devices import canonical_name, parse_device
 from distrib.errors import DeadlineExceededError, MergeCallMismatchError
 from distrib.options import CommunicationOptions
 from distrib.strategy import ReplicaContext, Strategy, StrategyExtended
-from distrib.values import regroup, select_replica
+from distrib.values import regroup, select_replicas
 
 DEFAULT_TIMEOUT_SECONDS = 600.0  # how long replicas wait at a collective when no timeout_seconds is given
 _POLL_SECONDS = 0.05
@@ -136,6 +136,7 @@ class _ReplicaThread:
             if run is None or self.retired:
                 return
             self._execute(run)
+            del run  # a finished run holds results and merge buffers; don't pin them until the next one
             if self.retired:
                 return
 
@@ -211,8 +212,7 @@ class MirroredExtended(StrategyExtended):
         count = len(self._devices)
         threads = self._ensure_threads()
         run = _Run(self._container_strategy, self._replica_contexts, fn,
-                   [select_replica(i, args) for i in range(count)],
-                   [select_replica(i, kwargs) for i in range(count)], self._default_timeout)
+                   select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout)
         self._current_run = run
         try:
             for worker in threads:
@@ -231,7 +231,7 @@ class MirroredExtended(StrategyExtended):
                 for worker in threads:
                     worker.go.release()
         except BaseException as exc:
-            self._stop(run, threads, grace=0.5 if isinstance(exc, DeadlineExceededError) else _STOP_GRACE_SECONDS)
+            self._stop(run, threads, grace=0.1 if isinstance(exc, DeadlineExceededError) else _STOP_GRACE_SECONDS)
             if run.error is not None and exc is run.error[1] and run.error[0] is not None:
                 _name_replica(exc, run.error[0], len(threads))
             raise
@@ -310,6 +310,8 @@ def _count_mismatch(run: _Run) -> str:
 
 def _name_replica(exc: BaseException, replica_id: int, count: int) -> None:
     """Adds the replica id to the exception's message, keeping its type and traceback."""
+    if getattr(exc, "replica_id", None) is not None:  # raised again in a later run: already named
+        return
     where = f"replica {replica_id} of {count}"
     args = exc.args
     if type(exc).__str__ is BaseException.__str__ and len(args) == 1 and isinstance(args[0], str):
@@ -368,6 +370,9 @@ def _resolve_devices(devices: Sequence[str] | None) -> tuple[Backend, tuple[str,
     if len(kinds) > 1:
         raise ValueError(f"A MirroredStrategy runs on one kind of device: all GPUs or all (emulated) CPUs. "
                          f"Received: {list(devices)}.")
+    if kinds == {"GPU"} and (problem := cuda_problem()) is not None:
+        raise ValueError(f"Unknown devices {list(devices)}: GPU devices need the CUDA backend, but {problem}. "
+                         f"Without a GPU, name emulated CPU devices such as ['CPU:0', 'CPU:1'].")
     backend = get_backend("cuda" if kinds == {"GPU"} else "cpu")
     for name in names:
         backend.check_device(name)

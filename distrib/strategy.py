@@ -12,11 +12,11 @@ import numpy as np
 from distrib import context
 from distrib.backends import Backend, get_backend
 from distrib.collective.cross_device_ops import CrossDeviceOps, NcclAllReduce
-from distrib.devices import HOST, canonical_name, parse_device
+from distrib.devices import HOST, canonical_name
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, ReduceOp, RunOptions
-from distrib.values import (DistributedValues, Mirrored, PerReplica, flatten, flatten_with_paths, format_path,
-                            map_structure, regroup, select_replica, unflatten)
+from distrib.values import (DistributedValues, Mirrored, PerReplica, structure_mismatch, flatten, format_path,
+                            map_structure, regroup, select_replicas, unflatten)
 
 
 class ValueContext:
@@ -165,7 +165,7 @@ class Strategy:
         if op is ReduceOp.SUM:
             return total
         count = sum(math.prod(a.shape[i] for i in axes) for a in arrays)
-        return total / np.asarray(count, dtype=total.dtype)
+        return np.asarray(total / np.asarray(count, dtype=total.dtype))  # 0-d division gives a NumPy scalar
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates the per-replica components of `value` along `axis` into one host NumPy array.
@@ -276,6 +276,9 @@ class StrategyExtended:
     def experimental_require_static_shapes(self) -> bool:
         return False
 
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} devices={self._devices}>"
+
     @property
     def backend(self) -> Backend:
         return self._backend
@@ -306,10 +309,10 @@ class StrategyExtended:
             name = canonical_name(destinations)
             if name in self._devices:
                 return (name,)
-            if parse_device(name).kind == "CPU":
+            if name == "CPU:0":  # the host CPU, when it is not one of the replicas' devices
                 return (HOST,)
-            self._backend.check_device(name)
-            return (name,)
+            raise ValueError(f"Unknown destination {destinations!r}: expected one of the strategy's devices "
+                             f"{self._devices}, 'CPU:0' or 'host' for the host CPU.")
         devices = getattr(destinations, "devices", None)
         if hasattr(destinations, "_is_distributed_variable") and devices is not None:
             return tuple(devices)
@@ -391,8 +394,9 @@ class StrategyExtended:
                     results[k] = Mirrored(self._cross_device_ops.reduce_to(backend, op, arrays, devices,
                                                                            destinations))
         if all_reduce_ids:
-            reduced = self._cross_device_ops.batch_all_reduce(backend, op, all_reduce_values, devices, options)
-            for k, arrays in zip(all_reduce_ids, reduced):
+            per_replica = [list(values) for values in zip(*all_reduce_values)]
+            reduced = self._cross_device_ops.batch_all_reduce(backend, op, per_replica, devices, options)
+            for k, arrays in zip(all_reduce_ids, zip(*reduced)):
                 results[k] = Mirrored(arrays)
         return results
 
@@ -407,10 +411,10 @@ class StrategyExtended:
                              f"PerReplica (from run or experimental_distribute_values_from_function) instead.")
         return self._broadcast(value, destinations)
 
-    def _batch_all_reduce(self, op: ReduceOp, values: Sequence[Sequence[Any]],
+    def _batch_all_reduce(self, op: ReduceOp, per_replica: Sequence[Sequence[Any]],
                           options: CommunicationOptions | None) -> list[list[Any]]:
-        """All-reduce of `values[v][r]` (arrays already on replica r's device) for ReplicaContext.all_reduce."""
-        return self._cross_device_ops.batch_all_reduce(self._backend, op, values, self._devices,
+        """All-reduce of `per_replica[r][v]` (arrays already on replica r's device), for ReplicaContext."""
+        return self._cross_device_ops.batch_all_reduce(self._backend, op, per_replica, self._devices,
                                                        self._options.merge(options))
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
@@ -509,7 +513,7 @@ class ReplicaContext:
             merged_args = regroup([p[0] for p in payloads])
             merged_kwargs = regroup([p[1] for p in payloads])
             result = merge_fn(strategy, *merged_args, **merged_kwargs)
-            return [select_replica(i, result) for i in range(len(payloads))]
+            return select_replicas(result, len(payloads))
 
         return strategy.extended._rendezvous(self, "merge_call", merge, (tuple(args), dict(kwargs or {})), None)
 
@@ -526,44 +530,40 @@ class ReplicaContext:
         op = ReduceOp.from_value(reduce_op)
         if options is not None and not isinstance(options, CommunicationOptions):
             raise TypeError(f"options must be a CommunicationOptions. Received: {type(options).__name__}.")
-        paths, leaves, spec = flatten_with_paths(value)
+        leaves, spec = flatten(value)
         if not leaves:
             return value
         extended = self._strategy.extended
-        device = extended.worker_devices[self._replica_id]
-        arrays = [extended._backend.to_device(leaf, device) for leaf in leaves]
-        for path, array in zip(paths, arrays):
+        arrays = extended._backend.to_device_all(leaves, extended.worker_devices[self._replica_id])
+        for k, array in enumerate(arrays):
             if array.dtype.kind in "bOSUV":
                 raise TypeError(f"all_reduce needs numeric values. Received: dtype {array.dtype} at path "
-                                f"{format_path(path)}.")
+                                f"{format_path(spec.paths()[k])}.")
 
         def merge(payloads: list) -> list:
             _check_same_layout("all_reduce", payloads)
-            columns = [[p[2][k] for p in payloads] for k in range(len(arrays))]
-            reduced = extended._batch_all_reduce(op, columns, options)
-            return [[column[r] for column in reduced] for r in range(len(payloads))]
+            return extended._batch_all_reduce(op, [p[1] for p in payloads], options)
 
-        results = extended._rendezvous(self, "all_reduce", merge, (spec, paths, arrays), options)
+        results = extended._rendezvous(self, "all_reduce", merge, (spec, arrays), options)
         return unflatten(spec, results)
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
         """Concatenates `value` from every replica along `axis`; shapes may differ along `axis` only."""
         self._require_current("all_gather")
-        paths, leaves, spec = flatten_with_paths(value)
+        leaves, spec = flatten(value)
         if not leaves:
             return value
         extended = self._strategy.extended
-        device = extended.worker_devices[self._replica_id]
-        arrays = [extended._backend.to_device(leaf, device) for leaf in leaves]
+        arrays = extended._backend.to_device_all(leaves, extended.worker_devices[self._replica_id])
 
         def merge(payloads: list) -> list:
             _check_same_layout("all_gather", payloads, gather_axis=axis)
-            gathered = [extended._cross_device_ops.all_gather(extended._backend, [p[2][k] for p in payloads],
+            gathered = [extended._cross_device_ops.all_gather(extended._backend, list(column),
                                                               extended.worker_devices, axis)
-                        for k in range(len(arrays))]
-            return [[column[r] for column in gathered] for r in range(len(payloads))]
+                        for column in zip(*(p[1] for p in payloads))]
+            return [list(per_replica) for per_replica in zip(*gathered)]
 
-        return unflatten(spec, extended._rendezvous(self, "all_gather", merge, (spec, paths, arrays), options))
+        return unflatten(spec, extended._rendezvous(self, "all_gather", merge, (spec, arrays), options))
 
     def __repr__(self) -> str:
         return (f"<ReplicaContext replica_id_in_sync_group={self._replica_id} "
@@ -571,22 +571,23 @@ class ReplicaContext:
 
 
 def _check_same_layout(api: str, payloads: list, gather_axis: int | None = None) -> None:
-    """Every replica's (spec, paths, arrays) must match replica 0's: structure, then each leaf's shape and dtype."""
-    from distrib.values import _structure_mismatch
-
-    spec0, paths0, arrays0 = payloads[0]
-    for replica_id, (spec, paths, arrays) in enumerate(payloads[1:], start=1):
+    """Every replica's (spec, arrays) must match replica 0's: structure, then each leaf's shape and dtype."""
+    spec0, arrays0 = payloads[0]
+    for replica_id, (spec, _) in enumerate(payloads[1:], start=1):  # every structure first: leaves line up after
         if spec != spec0:
-            raise CollectiveMismatchError(_structure_mismatch(f"{api} needs the same structure on every replica",
-                                                              replica_id, paths0, paths, spec0, spec))
-    for k, path in enumerate(paths0):
-        column = [p[2][k] for p in payloads]
-        if gather_axis is not None:
-            _check_gather_shapes(api, [a.shape for a in column], [a.dtype for a in column], gather_axis, path)
-            continue
-        for replica_id, array in enumerate(column[1:], start=1):
-            for what, mine, first in (("shape", array.shape, column[0].shape),
-                                      ("dtype", array.dtype, column[0].dtype)):
+            raise CollectiveMismatchError(structure_mismatch(f"{api} needs the same structure on every replica",
+                                                              replica_id, spec0.paths(), spec.paths(), spec0, spec))
+    if gather_axis is not None:
+        for k, path in enumerate(spec0.paths()):
+            _check_gather_shapes(api, [p[1][k].shape for p in payloads], [p[1][k].dtype for p in payloads],
+                                 gather_axis, path)
+        return
+    shapes0, dtypes0 = [a.shape for a in arrays0], [a.dtype for a in arrays0]
+    for replica_id, (_, arrays) in enumerate(payloads[1:], start=1):
+        if [a.shape for a in arrays] == shapes0 and [a.dtype for a in arrays] == dtypes0:
+            continue  # the common case, checked in bulk
+        for k, path in enumerate(spec0.paths()):
+            for what, mine, first in (("shape", arrays[k].shape, shapes0[k]), ("dtype", arrays[k].dtype, dtypes0[k])):
                 if mine != first:
                     raise CollectiveMismatchError(f"{api} needs the same {what} on every replica. Received: replica "
                                                   f"{replica_id}, path {format_path(path)}, {what} {mine} vs {first}.")
@@ -613,7 +614,7 @@ class _DefaultExtended(StrategyExtended):
 
     def _rendezvous(self, replica_context, kind, merge, payload, options):
         if kind == "all_reduce":  # one replica: nothing to reduce, the value comes back as it went in
-            return payload[2]
+            return payload[1]
         with context.frame(self._container_strategy, None):
             return merge([payload])[0]
 

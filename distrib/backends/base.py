@@ -46,6 +46,10 @@ class Backend(abc.ABC):
     def to_device(self, value: Any, device: str) -> Any:
         """`value` (an array of any library, a NumPy scalar or a Python number) as an array on `device`."""
 
+    def to_device_all(self, values: Sequence[Any], device: str) -> list[Any]:
+        """`[to_device(v, device) for v in values]`; backends may skip work for values already in place."""
+        return [self.to_device(v, device) for v in values]
+
     @abc.abstractmethod
     def to_host(self, array: Any) -> np.ndarray:
         """A NumPy array with the same contents."""

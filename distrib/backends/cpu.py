@@ -72,7 +72,7 @@ def to_numpy(value: Any) -> np.ndarray:
     """Any array-like (NumPy, a NumPy scalar, a Python number, DLPack or CUDA arrays) as a NumPy array."""
     if isinstance(value, np.ndarray):
         return value
-    if isinstance(value, (np.generic, int, float, complex, bool)):
+    if isinstance(value, (np.number, np.bool_, int, float, complex, bool)):
         return np.asarray(value)
     if hasattr(value, "__cuda_array_interface__"):
         if hasattr(value, "get"):  # CuPy
@@ -89,14 +89,28 @@ def to_numpy(value: Any) -> np.ndarray:
     except Exception as exc:
         raise TypeError(f"Expected an array, a NumPy scalar or a Python number. Received: {type(value).__name__}.") \
             from exc
-    if array.dtype == object:
-        raise TypeError(f"Expected an array of numbers. Received: {type(value).__name__} that NumPy can only hold "
-                        f"as dtype=object.")
+    if array.dtype.kind in "OSU":  # objects, bytes, strings
+        raise TypeError(f"Expected an array of numbers. Received: {type(value).__name__} that NumPy holds "
+                        f"as dtype={array.dtype}.")
     return array
+
+
+def _shared(array: np.ndarray, count: int) -> list[np.ndarray]:
+    """`count` distinct read-only views of one result, one per emulated device.
+
+    Emulated devices share host memory, so copying a reduced buffer to each of them would only cost time
+    (3 copies of a 4 MB result cost nearly as much as the sums). The views are read-only, as TensorFlow's
+    tensors are immutable: writing into one raises instead of silently changing the other replicas' results.
+    """
+    array.flags.writeable = False
+    return [array.view() for _ in range(count)]
 
 
 class CpuBackend(Backend):
     """NumPy arrays on N emulated devices. Collectives sum in device order, as TensorFlow's add_n does.
+
+    Results of collectives are read-only views of one buffer shared by the emulated devices; copy one
+    (`np.array(x)`) to modify it in place.
 
     Args:
       num_default_replicas: devices used when a strategy names none (default: $DISTRIB_CPU_REPLICAS, else 2).
@@ -134,6 +148,9 @@ class CpuBackend(Backend):
     def to_device(self, value: Any, device: str) -> np.ndarray:
         return to_numpy(value)
 
+    def to_device_all(self, values, device):
+        return [v if type(v) is np.ndarray else to_numpy(v) for v in values]
+
     def to_host(self, array: Any) -> np.ndarray:
         return to_numpy(array)
 
@@ -151,12 +168,11 @@ class CpuBackend(Backend):
             flat = np.ravel(arrays[0])  # a view when contiguous: nothing to copy
             return flat if flat.dtype == dtype else flat.astype(dtype)
         flat = self._pool.empty((buffer.size,), dtype)
-        for array, member in zip(arrays, buffer.members):
-            flat[member.offset:member.offset + member.size] = np.ravel(array)
+        np.concatenate(arrays, axis=None, out=flat)
         return flat
 
     def unpack(self, flat, buffer: Buffer):
-        return [flat[m.offset:m.offset + m.size].reshape(m.shape) for m in buffer.members]
+        return [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
 
     def all_reduce(self, flats, chunks, devices, mean):
         total = self._pool.empty(flats[0].shape, flats[0].dtype)
@@ -170,12 +186,12 @@ class CpuBackend(Backend):
                     np.add(out, flat[start:stop], out=out)
             if mean:
                 np.true_divide(out, len(flats), out=out)
-        return [total] + [self.copy(total, d) for d in devices[1:]]
+        return _shared(total, len(devices))
 
     def all_gather(self, flats, devices):
         gathered = self._pool.empty((sum(f.size for f in flats),), flats[0].dtype)
         np.concatenate(flats, out=gathered)
-        return [gathered] + [self.copy(gathered, d) for d in devices[1:]]
+        return _shared(gathered, len(devices))
 
     def reduce_scatter(self, flats, devices):
         n = len(devices)
@@ -186,7 +202,7 @@ class CpuBackend(Backend):
         return [self.copy(total[i * part:(i + 1) * part], d) for i, d in enumerate(devices)]
 
     def broadcast(self, array, devices):
-        return [self.copy(array, d) for d in devices]
+        return _shared(self.copy(array, devices[0]), len(devices))
 
     def add_n(self, arrays, device):
         if len(arrays) == 1:

@@ -19,17 +19,12 @@ def _is_float(array: Any) -> bool:
     return array.dtype.kind in "fc"
 
 
-def _finish_mean(array: Any, count: int, done: bool) -> Any:
-    """Integer MEAN is computed as SUM then true division, so 1..4 averages to 2.5 (as TensorFlow returns)."""
-    return array if done else array / count
-
-
 class CrossDeviceOps:
     """Base class: reductions, broadcasts and gathers of per-device arrays."""
 
-    def batch_all_reduce(self, backend: Backend, op: ReduceOp, values: Sequence[Sequence[Any]],
+    def batch_all_reduce(self, backend: Backend, op: ReduceOp, per_replica: Sequence[Sequence[Any]],
                          devices: Sequence[str], options: CommunicationOptions) -> list[list[Any]]:
-        """`values[v][r]` is value v on replica r; returns the reduced values in the same layout."""
+        """`per_replica[r][v]` is value v on replica r; returns the reduced values in the same layout."""
         raise NotImplementedError
 
     def reduce_to(self, backend: Backend, op: ReduceOp, components: Sequence[Any], devices: Sequence[str],
@@ -40,7 +35,7 @@ class CrossDeviceOps:
             if _is_float(total):
                 total /= len(components)
             else:
-                total = total / len(components)
+                total = backend.xp.asarray(total / len(components))  # NumPy makes 0-d / int a scalar
         if tuple(destinations) == (HOST,):
             return [backend.to_host(total)]
         return [total] + [backend.copy(total, d) for d in destinations[1:]]
@@ -92,9 +87,9 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn
 
-    def batch_all_reduce(self, backend, op, values, devices, options):
+    def batch_all_reduce(self, backend, op, per_replica, devices, options):
         out = []
-        for components in values:
+        for components in zip(*per_replica):
             target = self.reduce_to_device or devices[0]
             if self.accumulation_fn is not None:
                 total = self.accumulation_fn([backend.copy(c, target) for c in components])
@@ -103,7 +98,7 @@ class ReductionToOneDevice(CrossDeviceOps):
             if op is ReduceOp.MEAN:
                 total = total / len(components)
             out.append(backend.broadcast(total, list(devices)))
-        return out
+        return [list(values) for values in zip(*out)] if out else [[] for _ in devices]
 
     def __repr__(self) -> str:
         return f"ReductionToOneDevice(reduce_to_device={self.reduce_to_device!r})"
@@ -118,29 +113,47 @@ class _PackedAllReduce(CrossDeviceOps):
         if num_packs < 0:
             raise ValueError(f"num_packs must be non-negative. Received: {num_packs}.")
         self.num_packs = num_packs
+        self._plans: dict[tuple, planner.Plan] = {}  # a training step asks for the same plan every time
+
+    _MAX_CACHED_PLANS = 256
 
     def plan(self, specs: Sequence[tuple], options: CommunicationOptions) -> planner.Plan:
         """The packing plan: by bytes when `options.bytes_per_pack` is set, else concat-and-split by num_packs."""
-        if options.bytes_per_pack > 0:
-            return planner.plan_by_size(specs, options.bytes_per_pack)
-        return planner.plan_concat_split(specs, self.num_packs)
+        key = (tuple(specs), options.bytes_per_pack)
+        plan = self._plans.get(key)
+        if plan is None:
+            if options.bytes_per_pack > 0:
+                plan = planner.plan_by_size(specs, options.bytes_per_pack)
+            else:
+                plan = planner.plan_concat_split(specs, self.num_packs)
+            if len(self._plans) >= self._MAX_CACHED_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
-    def _reduce_flats(self, backend, flats, buffer, devices, mean):
+    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack):
         raise NotImplementedError
 
-    def batch_all_reduce(self, backend, op, values, devices, options):
+    def batch_all_reduce(self, backend, op, per_replica, devices, options):
         count = len(devices)
-        plan = self.plan([(v[0].shape, v[0].dtype) for v in values], options)
-        results: list[list[Any]] = [[None] * count for _ in values]
+        plan = self.plan([(v.shape, v.dtype) for v in per_replica[0]], options)
+        mean = op is ReduceOp.MEAN
+        results = [[None] * len(per_replica[0]) for _ in range(count)]
+        first_pack = 0
         for buffer in plan.buffers:
-            members = buffer.members
-            float_mean = op is ReduceOp.MEAN and buffer.dtype[0] in "fc"
-            flats = [backend.pack([values[m.index][r] for m in members], buffer, devices[r]) for r in range(count)]
-            for r, flat in enumerate(self._reduce_flats(backend, flats, buffer, list(devices), float_mean)):
-                for member, array in zip(members, backend.unpack(flat, buffer)):
-                    if op is ReduceOp.MEAN:
-                        array = _finish_mean(array, count, float_mean)
-                    results[member.index][r] = array
+            indices = [m.index for m in buffer.members]
+            # integer MEAN is SUM then true division, so 1..4 averages to 2.5 as in TensorFlow
+            float_mean = mean and buffer.dtype.startswith(("float", "complex", "bfloat"))
+            flats = [backend.pack([values[i] for i in indices], buffer, device)
+                     for values, device in zip(per_replica, devices)]
+            reduced = self._reduce_flats(backend, flats, buffer, list(devices), float_mean, first_pack)
+            first_pack += len(buffer.chunks)
+            for out, flat in zip(results, reduced):
+                arrays = backend.unpack(flat, buffer)
+                if mean and not float_mean:
+                    arrays = [backend.xp.asarray(a / count) for a in arrays]
+                for i, array in zip(indices, arrays):
+                    out[i] = array
         return results
 
     def __repr__(self) -> str:
@@ -159,7 +172,7 @@ class NcclAllReduce(_PackedAllReduce):
       >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=distrib.NcclAllReduce(num_packs=2))
     """
 
-    def _reduce_flats(self, backend, flats, buffer, devices, mean):
+    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack):
         return backend.all_reduce(flats, buffer.chunks, devices, mean)
 
 
@@ -170,10 +183,10 @@ class HierarchicalCopyAllReduce(_PackedAllReduce):
     spread the work over devices. Works for any device count; with one device it is a copy.
     """
 
-    def _reduce_flats(self, backend, flats, buffer, devices, mean):
+    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack):
         n = len(devices)
         outs = [backend.empty(flats[0].shape, flats[0].dtype, d) for d in devices]
-        for pack, (start, stop) in enumerate(buffer.chunks):
+        for pack, (start, stop) in enumerate(buffer.chunks, start=first_pack):
             parts = [f[start:stop] for f in flats]
             if n == 1:
                 outs[0][start:stop] = parts[0]

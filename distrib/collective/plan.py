@@ -14,6 +14,7 @@ Every replica computes the identical plan from the same (shape, dtype) list, so 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -30,6 +31,11 @@ class Member:
     offset: int  # first element within the buffer
     size: int  # number of elements
 
+    @property
+    def span(self) -> slice:
+        """The member's elements within the flat buffer."""
+        return slice(self.offset, self.offset + self.size)
+
 
 @dataclass(frozen=True)
 class Buffer:
@@ -42,6 +48,11 @@ class Buffer:
     @property
     def size(self) -> int:
         return sum(m.size for m in self.members)
+
+    @functools.cached_property
+    def views(self) -> tuple[tuple[slice, tuple[int, ...] | None], ...]:
+        """Per member: its slice of the flat buffer, and the shape to reshape to (None when 1-D already)."""
+        return tuple((m.span, None if len(m.shape) == 1 else m.shape) for m in self.members)
 
     @property
     def nbytes(self) -> int:
@@ -63,11 +74,16 @@ class Plan:
 Spec = tuple[Sequence[int], object]  # (shape, dtype) of one value
 
 
+def _check_non_negative(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be non-negative. Received: {value}.")
+
+
 def group_by_dtype(dtypes: Sequence[object]) -> list[list[int]]:
     """Indices grouped by dtype, groups in order of first appearance, indices in input order."""
     groups: dict[str, list[int]] = {}
     for index, dtype in enumerate(dtypes):
-        groups.setdefault(np.dtype(dtype).name, []).append(index)
+        groups.setdefault(dtype_name(dtype), []).append(index)
     return list(groups.values())
 
 
@@ -78,8 +94,7 @@ def group_by_size(nbytes: Sequence[int], bytes_per_pack: int) -> list[list[int]]
       >>> group_by_size([128, 32, 800, 4], 200)
       [[0, 1, 2], [3]]
     """
-    if bytes_per_pack < 0:
-        raise ValueError(f"bytes_per_pack must be non-negative. Received: {bytes_per_pack}.")
+    _check_non_negative("bytes_per_pack", bytes_per_pack)
     if bytes_per_pack == 0 or not nbytes:
         return [list(range(len(nbytes)))] if nbytes else []
     packs: list[list[int]] = []
@@ -108,11 +123,25 @@ def concat_split_bounds(total: int, num_packs: int) -> list[tuple[int, int]]:
     return list(zip(starts, stops))
 
 
+_DTYPE_NAMES: dict[object, str] = {}
+
+
+def dtype_name(dtype: object) -> str:
+    """np.dtype(dtype).name, memoized (the property is slow and plans ask it for every value)."""
+    try:
+        name = _DTYPE_NAMES.get(dtype)
+    except TypeError:  # an unhashable dtype spec, e.g. a list describing a structured dtype
+        return np.dtype(dtype).name
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+    return name
+
+
 def _normalize(specs: Sequence[Spec]) -> list[tuple[tuple[int, ...], str, int]]:
     out = []
     for shape, dtype in specs:
         shape = tuple(int(d) for d in shape)
-        out.append((shape, np.dtype(dtype).name, math.prod(shape)))
+        out.append((shape, dtype_name(dtype), math.prod(shape)))
     return out
 
 
@@ -135,6 +164,7 @@ def plan_by_size(specs: Sequence[Spec], bytes_per_pack: int) -> Plan:
       >>> [[m.index for m in b.members] for b in plan.buffers]
       [[3, 2], [1, 0]]
     """
+    _check_non_negative("bytes_per_pack", bytes_per_pack)
     specs = _normalize(specs)
     order = list(range(len(specs)))[::-1]
     buffers = []
@@ -155,8 +185,7 @@ def plan_concat_split(specs: Sequence[Spec], num_packs: int) -> Plan:
       >>> plan.buffers[0].chunks
       ((0, 3), (3, 6), (6, 10))
     """
-    if num_packs < 0:
-        raise ValueError(f"num_packs must be non-negative. Received: {num_packs}.")
+    _check_non_negative("num_packs", num_packs)
     specs = _normalize(specs)
     if num_packs == 0:
         return Plan(tuple(_buffer([i], specs) for i in range(len(specs))))

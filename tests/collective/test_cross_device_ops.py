@@ -1,0 +1,352 @@
+"""NcclAllReduce, HierarchicalCopyAllReduce and ReductionToOneDevice on the CPU emulator, checked against NumPy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from distrib.backends.cpu import CpuBackend
+from distrib.collective.cross_device_ops import HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
+from distrib.devices import HOST
+from distrib.options import CommunicationOptions, ReduceOp
+
+OPS = [
+    pytest.param(lambda: NcclAllReduce(num_packs=0), id="nccl-packs0"),
+    pytest.param(lambda: NcclAllReduce(num_packs=1), id="nccl-packs1"),
+    pytest.param(lambda: NcclAllReduce(num_packs=3), id="nccl-packs3"),
+    pytest.param(lambda: HierarchicalCopyAllReduce(num_packs=1), id="hierarchical-packs1"),
+    pytest.param(lambda: HierarchicalCopyAllReduce(num_packs=2), id="hierarchical-packs2"),
+    pytest.param(lambda: ReductionToOneDevice(), id="reduction-to-one-device"),
+]
+
+# Mixed dtypes (interleaved, so grouping matters), scalars, empty arrays and one value big enough for the pool.
+LAYOUT = [
+    ((3, 4), "float32"),
+    ((), "float64"),
+    ((5,), "int32"),
+    ((0,), "float32"),
+    ((7,), "float16"),
+    ((2, 0, 3), "int64"),
+    ((), "int64"),
+    ((2, 2), "float32"),
+    ((40_000,), "float32"),
+    ((3,), "float16"),
+]
+
+
+def devices(n: int) -> list[str]:
+    return [f"CPU:{i}" for i in range(n)]
+
+
+def make_values(num_devices: int, layout=LAYOUT, seed: int = 0) -> list[list[np.ndarray]]:
+    """`values[v][r]`: value v on replica r. Small integers, so every sum is exact in every dtype."""
+    rng = np.random.default_rng(seed)
+    return [[rng.integers(-8, 9, size=shape).astype(dtype) for _ in range(num_devices)] for shape, dtype in layout]
+
+
+def reference(op: ReduceOp, components: list[np.ndarray]) -> np.ndarray:
+    total = np.sum([c.astype(np.float64) for c in components], axis=0)
+    dtype = components[0].dtype
+    if op is ReduceOp.SUM:
+        return total.astype(dtype)
+    mean = total / len(components)
+    return mean.astype(dtype) if dtype.kind == "f" else mean  # integer MEAN is a float, as in TensorFlow
+
+
+def assert_reduced(op: ReduceOp, result: np.ndarray, components: list[np.ndarray]):
+    want = reference(op, components)
+    assert isinstance(result, np.ndarray)
+    assert result.shape == want.shape
+    if op is ReduceOp.SUM or components[0].dtype.kind == "f":
+        assert result.dtype == components[0].dtype
+    else:
+        assert result.dtype.kind == "f"
+    if op is ReduceOp.SUM:
+        np.testing.assert_array_equal(result, want)
+    else:
+        np.testing.assert_allclose(result, want, rtol=1e-3 if result.dtype == np.float16 else 1e-6)
+
+
+def overwrite(array: np.ndarray, value) -> bool:
+    """Writes `value` into every element; False when the array is read-only (immutable, like a tensor)."""
+    if not array.flags.writeable:
+        with pytest.raises(ValueError):
+            array[...] = value
+        return False
+    array[...] = value
+    return True
+
+
+class CountingCpuBackend(CpuBackend):
+    """The real CPU backend, recording the packs it builds on the first device and its all-reduce calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.packs = []            # Buffer of each pack built on CPU:0
+        self.all_reduce_calls = []  # chunks of each all_reduce call
+
+    def pack(self, arrays, buffer, device):
+        if device == "CPU:0":
+            self.packs.append(buffer)
+            assert all(np.dtype(a.dtype).name == buffer.dtype for a in arrays), "a pack mixes dtypes"
+        return super().pack(arrays, buffer, device)
+
+    def all_reduce(self, flats, chunks, devices, mean):
+        self.all_reduce_calls.append(tuple(chunks))
+        return super().all_reduce(flats, chunks, devices, mean)
+
+    @property
+    def collective_calls(self) -> int:
+        return sum(len(chunks) for chunks in self.all_reduce_calls)
+
+
+# batch_all_reduce gives NumPy's answer
+
+
+def all_reduce_values(op, backend, reduce_op, values, devs, options):
+    """batch_all_reduce with value-major lists (values[v][r] in, results[v][r] out), as these tests build them."""
+    per_replica = [list(v) for v in zip(*values)] if values else [[] for _ in devs]
+    results = op.batch_all_reduce(backend, reduce_op, per_replica, devs, options)
+    return [list(v) for v in zip(*results)] if values else []
+
+
+@pytest.mark.parametrize("options", [CommunicationOptions(), CommunicationOptions(bytes_per_pack=64)],
+                         ids=["one-pack", "bytes_per_pack=64"])
+@pytest.mark.parametrize("reduce_op", [ReduceOp.SUM, ReduceOp.MEAN], ids=["SUM", "MEAN"])
+@pytest.mark.parametrize("num_devices", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("make_op", OPS)
+def test_batch_all_reduce_matches_numpy(make_op, num_devices, reduce_op, options):
+    values = make_values(num_devices)
+    results = all_reduce_values(make_op(), CpuBackend(), reduce_op, values, devices(num_devices), options)
+    assert len(results) == len(values)
+    for components, per_device in zip(values, results):
+        assert len(per_device) == num_devices
+        for result in per_device:
+            assert_reduced(reduce_op, result, components)
+
+
+@pytest.mark.parametrize("make_op", OPS)
+def test_integer_mean_is_a_float_as_in_tensorflow(make_op):
+    values = [[np.array([r + 1, 10 * (r + 1)], np.int32) for r in range(4)],
+              [np.array(r + 1, np.int64) for r in range(4)]]
+    results = all_reduce_values(make_op(), CpuBackend(), ReduceOp.MEAN, values, devices(4),
+                                CommunicationOptions())
+    for result in results[0]:
+        assert result.dtype.kind == "f"
+        np.testing.assert_array_equal(result, [2.5, 25.0])
+    for result in results[1]:
+        assert isinstance(result, np.ndarray) and result.shape == () and result.dtype.kind == "f"
+        assert result == 2.5
+
+
+@pytest.mark.parametrize("make_op", OPS)
+def test_batch_all_reduce_of_no_values_is_empty(make_op):
+    assert all_reduce_values(make_op(), CpuBackend(), ReduceOp.SUM, [], devices(2), CommunicationOptions()) == []
+
+
+# Results are the caller's to keep: they never alias inputs or each other
+
+
+@pytest.mark.parametrize("reduce_op", [ReduceOp.SUM, ReduceOp.MEAN], ids=["SUM", "MEAN"])
+@pytest.mark.parametrize("num_devices", [1, 3])
+@pytest.mark.parametrize("make_op", OPS)
+def test_batch_all_reduce_never_touches_or_aliases_its_inputs(make_op, num_devices, reduce_op):
+    values = make_values(num_devices)
+    before = [[c.copy() for c in components] for components in values]
+    results = all_reduce_values(make_op(), CpuBackend(), reduce_op, values, devices(num_devices),
+                                         CommunicationOptions())
+    for components, saved in zip(values, before):
+        for component, copy in zip(components, saved):
+            np.testing.assert_array_equal(component, copy)  # the op did not write into its inputs
+    kept = [[r.copy() for r in per_device] for per_device in results]
+    for components in values:
+        for component in components:
+            component[...] = 99  # the caller reuses its input buffers
+    for per_device, saved in zip(results, kept):
+        for result, copy in zip(per_device, saved):
+            np.testing.assert_array_equal(result, copy)
+
+
+@pytest.mark.parametrize("reduce_op", [ReduceOp.SUM, ReduceOp.MEAN], ids=["SUM", "MEAN"])
+@pytest.mark.parametrize("num_devices", [1, 3])
+@pytest.mark.parametrize("make_op", OPS)
+def test_writing_one_result_changes_no_other_result_or_input(make_op, num_devices, reduce_op):
+    values = make_values(num_devices)
+    inputs = [[c.copy() for c in components] for components in values]
+    results = all_reduce_values(make_op(), CpuBackend(), reduce_op, values, devices(num_devices),
+                                         CommunicationOptions())
+    for per_device in results:
+        assert len({id(r) for r in per_device}) == num_devices  # each device has its own array
+    kept = [[r.copy() for r in per_device] for per_device in results]
+    written = {}
+    for v, per_device in enumerate(results):
+        for r, result in enumerate(per_device):
+            sentinel = 100 + len(written)  # distinct per result, exact in float16
+            if overwrite(result, sentinel):
+                written[v, r] = sentinel
+    for v, per_device in enumerate(results):
+        for r, result in enumerate(per_device):
+            np.testing.assert_array_equal(result, written.get((v, r), kept[v][r]), err_msg=f"value {v} device {r}")
+    for components, saved in zip(values, inputs):
+        for component, copy in zip(components, saved):
+            np.testing.assert_array_equal(component, copy)
+
+
+# CommunicationOptions.bytes_per_pack and num_packs decide the collective calls
+
+# float32 values of 4, 800, 32 and 128 bytes; the collective path reverses them to TensorFlow's
+# documented example [128, 32, 800, 4].
+EXAMPLE = [((1,), "float32"), ((200,), "float32"), ((8,), "float32"), ((32,), "float32")]
+
+
+@pytest.mark.parametrize("bytes_per_pack, packed_bytes", [
+    (0, [964]),                    # unset: num_packs=1, one pack
+    (200, [960, 4]),               # [[128, 32, 800], [4]]
+    (959, [960, 4]),
+    (960, [964]),                  # a pack at exactly the limit keeps accepting
+    (1, [128, 32, 800, 4]),        # one call per value; no value is split
+    (1 << 20, [964]),
+])
+def test_bytes_per_pack_sets_the_number_of_all_reduce_calls(bytes_per_pack, packed_bytes):
+    backend = CountingCpuBackend()
+    values = make_values(3, EXAMPLE)
+    results = all_reduce_values(NcclAllReduce(num_packs=1), backend, ReduceOp.SUM, values, devices(3),
+                                CommunicationOptions(bytes_per_pack=bytes_per_pack))
+    assert [b.nbytes for b in backend.packs] == packed_bytes
+    assert backend.collective_calls == len(packed_bytes)
+    assert backend.all_reduce_calls == [((0, b.size),) for b in backend.packs]
+    for components, per_device in zip(values, results):
+        for result in per_device:
+            assert_reduced(ReduceOp.SUM, result, components)
+
+
+def test_num_packs_cuts_one_buffer_into_that_many_calls():
+    backend = CountingCpuBackend()
+    values = make_values(2, [((4,), "float32"), ((6,), "float32")])
+    all_reduce_values(NcclAllReduce(num_packs=3), backend, ReduceOp.SUM, values, devices(2), CommunicationOptions())
+    assert backend.all_reduce_calls == [((0, 3), (3, 6), (6, 10))]
+    assert backend.collective_calls == 3
+
+
+def test_bytes_per_pack_overrides_num_packs():
+    backend = CountingCpuBackend()
+    values = make_values(2, EXAMPLE)
+    all_reduce_values(NcclAllReduce(num_packs=3), backend, ReduceOp.SUM, values, devices(2),
+                                                CommunicationOptions(bytes_per_pack=200))
+    assert [b.nbytes for b in backend.packs] == [960, 4]
+    assert backend.collective_calls == 2
+
+
+def test_zero_packs_is_one_call_per_value():
+    backend = CountingCpuBackend()
+    values = make_values(2, EXAMPLE)
+    all_reduce_values(NcclAllReduce(num_packs=0), backend, ReduceOp.SUM, values, devices(2), CommunicationOptions())
+    assert [b.nbytes for b in backend.packs] == [4, 800, 32, 128]  # input order
+    assert backend.collective_calls == 4
+
+
+@pytest.mark.parametrize("bytes_per_pack, dtypes", [
+    (0, ["float32", "int32", "float16"]),  # num_packs=1: one call per dtype, in order of first appearance
+    (4, ["int32", "int32", "float16", "float32", "float32"]),  # reversed, then grouped, then cut at 4 bytes
+])
+def test_packs_never_mix_dtypes(bytes_per_pack, dtypes):
+    backend = CountingCpuBackend()
+    layout = [((2,), "float32"), ((2,), "int32"), ((2,), "float32"), ((2,), "float16"), ((2,), "int32")]
+    values = make_values(2, layout)
+    results = all_reduce_values(NcclAllReduce(num_packs=1), backend, ReduceOp.SUM, values, devices(2),
+                                CommunicationOptions(bytes_per_pack=bytes_per_pack))
+    assert [b.dtype for b in backend.packs] == dtypes
+    assert backend.collective_calls == len(dtypes)
+    for components, per_device in zip(values, results):
+        for result in per_device:
+            assert_reduced(ReduceOp.SUM, result, components)
+
+
+@pytest.mark.parametrize("bytes_per_pack, packed_bytes", [(0, [964]), (200, [960, 4]), (1, [128, 32, 800, 4])])
+def test_bytes_per_pack_bounds_hierarchical_copy_packs(bytes_per_pack, packed_bytes):
+    backend = CountingCpuBackend()
+    values = make_values(4, EXAMPLE)
+    results = all_reduce_values(HierarchicalCopyAllReduce(num_packs=1), backend, ReduceOp.MEAN, values, devices(4),
+                                CommunicationOptions(bytes_per_pack=bytes_per_pack))
+    assert [b.nbytes for b in backend.packs] == packed_bytes
+    for components, per_device in zip(values, results):
+        for result in per_device:
+            assert_reduced(ReduceOp.MEAN, result, components)
+
+
+@pytest.mark.parametrize("cls", [NcclAllReduce, HierarchicalCopyAllReduce])
+def test_num_packs_is_validated(cls):
+    with pytest.raises(ValueError, match="num_packs must be non-negative"):
+        cls(num_packs=-1)
+    with pytest.raises(TypeError, match="num_packs must be an int"):
+        cls(num_packs=1.5)
+    with pytest.raises(TypeError, match="num_packs must be an int"):
+        cls(num_packs=True)
+
+
+# reduce_to and broadcast
+
+
+@pytest.mark.parametrize("reduce_op", [ReduceOp.SUM, ReduceOp.MEAN], ids=["SUM", "MEAN"])
+@pytest.mark.parametrize("shape", [(2, 3), ()], ids=["matrix", "scalar"])
+@pytest.mark.parametrize("dtype", ["float32", "int64"])
+@pytest.mark.parametrize("make_op", OPS)
+def test_reduce_to_host_and_to_devices(make_op, dtype, shape, reduce_op):
+    components = [np.arange(math.prod(shape), dtype=dtype).reshape(shape) + (r + 1) for r in range(4)]
+    before = [c.copy() for c in components]
+    op = make_op()
+    (on_host,) = op.reduce_to(CpuBackend(), reduce_op, components, devices(4), (HOST,))
+    assert_reduced(reduce_op, on_host, components)
+    on_devices = op.reduce_to(CpuBackend(), reduce_op, components, devices(4), ("CPU:0", "CPU:2"))
+    assert len(on_devices) == 2
+    for result in on_devices:
+        assert_reduced(reduce_op, result, components)
+    for component, copy in zip(components, before):
+        np.testing.assert_array_equal(component, copy)
+
+
+@pytest.mark.parametrize("make_op", OPS)
+def test_broadcast_gives_each_device_the_value(make_op):
+    source = np.arange(40_000, dtype=np.float32)
+    results = make_op().broadcast(CpuBackend(), source, devices(3))
+    assert len(results) == 3 and len({id(r) for r in results}) == 3
+    source[...] = -1
+    for result in results:
+        np.testing.assert_array_equal(result, np.arange(40_000, dtype=np.float32))
+
+
+# all_gather concatenates, even when lengths along the axis differ
+
+
+@pytest.mark.parametrize("lengths", [[2, 2, 2], [2, 0, 3, 1], [0, 0], [5]], ids=str)
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("make_op", OPS)
+def test_all_gather_equals_concatenate(make_op, axis, lengths):
+    rng = np.random.default_rng(1)
+    components = []
+    for length in lengths:
+        shape = [2, 3, 4]
+        shape[axis] = length
+        components.append(rng.integers(-50, 50, size=shape).astype(np.float64))
+    before = [c.copy() for c in components]
+    want = np.concatenate(components, axis=axis)
+    results = make_op().all_gather(CpuBackend(), components, devices(len(lengths)), axis)
+    assert len(results) == len(lengths)
+    for result in results:
+        assert result.shape == want.shape and result.dtype == want.dtype
+        np.testing.assert_array_equal(result, want)
+    for component, copy in zip(components, before):
+        np.testing.assert_array_equal(component, copy)
+        component[...] = 99
+    for result in results:
+        np.testing.assert_array_equal(result, want)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "float16", "bool"])
+def test_all_gather_keeps_dtype(dtype):
+    components = [np.ones((r + 1, 2), dtype) for r in range(3)]
+    for result in NcclAllReduce().all_gather(CpuBackend(), components, devices(3), 0):
+        assert result.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(result, np.concatenate(components))
