@@ -5,10 +5,12 @@ from distrib.collective.cross_device_ops import (CrossDeviceOps, HierarchicalCop
                                                  ReductionToOneDevice)
 from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                              in_cross_replica_context)
+from distrib.data import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator, InputContext,
+                          ValueContext)
 from distrib.mirrored import MirroredStrategy
 from distrib.options import (CommunicationImplementation, CommunicationOptions, InputOptions, InputReplicationMode,
                              ReduceOp, RunOptions)
-from distrib.strategy import ReplicaContext, Strategy, StrategyExtended, ValueContext
+from distrib.strategy import ReplicaContext, Strategy, StrategyExtended
 from distrib.values import DistributedValues, Mirrored, PerReplica
 
 __version__ = "0.1.0"
@@ -17,8 +19,12 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
     "DistributedValues",
     "HierarchicalCopyAllReduce",
+    "InputContext",
     "InputOptions",
     "InputReplicationMode",
     "Mirrored",

@@ -5,30 +5,20 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from distrib import context
 from distrib.backends import Backend, get_backend
 from distrib.collective.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from distrib.data import (DistributedDataset, DistributedDatasetsFromFunction, InputContext, InputWorkers,
+                          ValueContext)
 from distrib.devices import HOST, canonical_name
 from distrib.errors import CollectiveMismatchError, ContextError
-from distrib.options import CommunicationOptions, ReduceOp, RunOptions
-from distrib.values import (DistributedValues, Mirrored, PerReplica, structure_mismatch, flatten, format_path,
-                            map_structure, regroup, select_replicas, unflatten)
-
-
-class ValueContext:
-    """What `experimental_distribute_values_from_function` tells `value_fn`: which replica, out of how many."""
-
-    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
-        self.replica_id_in_sync_group = replica_id_in_sync_group
-        self.num_replicas_in_sync = num_replicas_in_sync
-
-    def __repr__(self) -> str:
-        return (f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
-                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+from distrib.options import CommunicationOptions, InputOptions, ReduceOp, RunOptions
+from distrib.values import (DistributedValues, Mirrored, PerReplica, flatten, format_path, map_structure, regroup,
+                            select_replica, select_replicas, structure_mismatch, unflatten)
 
 
 def _local_components(value: Any) -> tuple | None:
@@ -185,6 +175,39 @@ class Strategy:
             return np.concatenate(arrays, axis=axis)
 
         return map_structure(gather_leaf, value)
+
+    # -- input --------------------------------------------------------------------------------------------
+
+    def experimental_distribute_dataset(self, dataset: Iterable, options: InputOptions | None = None
+                                        ) -> DistributedDataset:
+        """Splits each global batch of `dataset` along axis 0 across the replicas; iterate once per epoch.
+
+        `dataset` is any iterable of global batches: arrays or nested structures of them (NumPy, or any array
+        with `__dlpack__` or `__array__`). A batch of B rows gives each replica ceil(B / N) consecutive rows, the
+        last replicas fewer or none (empty batches keep the trailing shape), so a partial last batch, or one
+        smaller than the number of replicas, is fine. Each step yields the batch's structure with PerReplica
+        leaves placed on the replicas' devices; the next steps are prepared in a background thread.
+
+        Example:
+          >>> import distrib, numpy as np
+          >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+          >>> data = np.arange(6, dtype=np.float32)
+          >>> [s.experimental_local_results(b) for b in s.experimental_distribute_dataset([data[:4], data[4:]])]
+          [(array([0., 1.], dtype=float32), array([2., 3.], dtype=float32)), (array([4.], dtype=float32), array([5.], dtype=float32))]
+        """
+        self._extended._require_cross_replica("experimental_distribute_dataset")
+        return DistributedDataset(dataset, self._extended._input_workers(), options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable],
+                                          options: InputOptions | None = None) -> DistributedDatasetsFromFunction:
+        """Builds the input pipeline(s) with `dataset_fn(InputContext)`; each replica takes one element per step.
+
+        `dataset_fn` batches per replica (`ctx.get_per_replica_batch_size(global_batch_size)`) and shards by
+        `ctx.input_pipeline_id` of `ctx.num_input_pipelines`. With `InputOptions(experimental_replication_mode=
+        InputReplicationMode.PER_REPLICA)` it is called once per replica instead of once per worker.
+        """
+        self._extended._require_cross_replica("distribute_datasets_from_function")
+        return DistributedDatasetsFromFunction(dataset_fn, self._extended._input_workers(), options)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """Builds a `PerReplica` from `value_fn(ValueContext(i, n))`, called once per replica.
@@ -430,6 +453,10 @@ class StrategyExtended:
         source = self._backend.to_device(value, destinations[0])
         return Mirrored(self._cross_device_ops.broadcast(self._backend, source, destinations))
 
+    def _input_workers(self) -> InputWorkers:
+        """This process's share of the input: one worker feeding every local replica."""
+        return InputWorkers(self._backend, self._devices)
+
     # -- replica execution (implemented by each strategy) -----------------------------------------------
 
     def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -610,7 +637,7 @@ class _DefaultExtended(StrategyExtended):
         return self._backend_instance
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        return fn(*args, **kwargs)
+        return fn(*select_replica(0, args), **select_replica(0, kwargs))
 
     def _rendezvous(self, replica_context, kind, merge, payload, options):
         if kind == "all_reduce":  # one replica: nothing to reduce, the value comes back as it went in
