@@ -235,6 +235,9 @@ class _Prefetcher:
                 item = self._items.popleft()
                 break
             except IndexError:
+                if self._stopped[0]:  # closed: nothing more will come
+                    self._done = True
+                    raise StopIteration from None
                 self._filled.wait(timeout=0.1)
         if len(self._items) <= self._low_water:
             self._drained.notify()
@@ -355,17 +358,24 @@ class DistributedDataset(_DatasetBase):
         local = len(workers.devices)
         slices = local if self._by_file else workers.num_replicas_in_sync
         first = 0 if self._by_file else workers.worker_index * local
+        last_seen: list = []  # (spec, arrays) of the latest batch, for the shape of empty batches
 
         def produce() -> Any:
             batch = next(batches, _END)
             has_data = batch is not _END
             if not workers.any_worker_has_data(has_data):
                 raise StopIteration
-            if not has_data:
-                raise ValueError("This worker's data ran out before the other workers'; shard the dataset evenly.")
+            if not has_data:  # other workers still have data: this worker's replicas get empty batches
+                if not last_seen:
+                    raise ValueError("This worker's shard of the dataset is empty while other workers have data; "
+                                     "shard the dataset so that every worker has some.")
+                spec, template = last_seen
+                per_replica = [[a[:0] for a in template] for _ in range(local)]
+                return _assemble(spec, _place(workers, options, per_replica))
             arrays, spec = _batch_leaves(batch, workers.backend, "dataset element")
             bounds = split_bounds(_rows(arrays, spec, "dataset element"), slices)[first:first + local]
             self._record_spec(spec, arrays)
+            last_seen[:] = [spec, arrays]
             per_replica = [[a[start:stop] for a in arrays] for start, stop in bounds]
             return _assemble(spec, _place(workers, options, per_replica))
 

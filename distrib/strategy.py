@@ -562,10 +562,10 @@ class ReplicaContext:
             return value
         extended = self._strategy.extended
         arrays = extended._backend.to_device_all(leaves, extended.worker_devices[self._replica_id])
-        for k, array in enumerate(arrays):
-            if array.dtype.kind in "bOSUV":
-                raise TypeError(f"all_reduce needs numeric values. Received: dtype {array.dtype} at path "
-                                f"{format_path(spec.paths()[k])}.")
+        if any(dtype.kind in "bOSUV" for dtype in {a.dtype for a in arrays}):  # few distinct dtypes: check those
+            k = next(k for k, a in enumerate(arrays) if a.dtype.kind in "bOSUV")
+            raise TypeError(f"all_reduce needs numeric values. Received: dtype {arrays[k].dtype} at path "
+                            f"{format_path(spec.paths()[k])}.")
 
         def merge(payloads: list) -> list:
             _check_same_layout("all_reduce", payloads)

@@ -128,6 +128,9 @@ def select_replica(replica_id: int, structure: Any) -> Any:
 
 def select_replicas(structure: Any, count: int) -> list[Any]:
     """`[select_replica(i, structure) for i in range(count)]`, flattening the structure only once."""
+    if type(structure) is tuple and any(type(x) is not PerReplica for x in structure):
+        # run()'s args: each argument on its own keeps a flat list of per-replica values on the fast path
+        return [tuple(args) for args in zip(*(select_replicas(x, count) for x in structure))] or [()] * count
     leaves, spec = flatten(structure)
     distributed = [k for k, leaf in enumerate(leaves)
                    if isinstance(leaf, DistributedValues) and not is_distributed_variable(leaf)]
@@ -217,3 +220,8 @@ def _describe(spec, with_keys: bool) -> str:
     if spec.type is type(None):
         return "None"
     return f"a {spec.type.__name__}" + (f" with keys {list(spec.entries())}" if with_keys else "")
+
+
+for _cls in (PerReplica, Mirrored, np.ndarray, np.float16, np.float32, np.float64, np.int8, np.int16, np.int32,
+             np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.bool_, np.complex64, np.complex128):
+    register_leaf_type(_cls)

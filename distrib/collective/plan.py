@@ -45,7 +45,7 @@ class Buffer:
     members: tuple[Member, ...]
     chunks: tuple[tuple[int, int], ...]  # non-empty [start, stop) element ranges covering the buffer
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return sum(m.size for m in self.members)
 

@@ -1,0 +1,266 @@
+"""Per-step time of MirroredStrategy.run on the CPU emulator, beside the NumPy floor and TensorFlow's peer."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))  # benchmark the checkout this file belongs to, installed or not
+
+import distrib  # noqa: E402
+from measure import BATCH_COUNT, BATCH_ELEMENTS, VECTOR_ELEMENTS, WORKLOADS, per_step_us  # noqa: E402
+
+TARGET_REPLICAS = 4
+# workload -> (measure compared with the limit, limit); floor ratios use the plain-sums floor
+TARGETS = {"allreduce_1m": ("ratio", 2.0), "batch_200x1000": ("ratio", 3.0), "empty_merge_call": ("us", 300.0)}
+
+
+def all_reduce_step(x):
+    return distrib.get_replica_context().all_reduce("SUM", x)
+
+
+def merge_call_step():
+    distrib.get_replica_context().merge_call(lambda strategy: None)
+
+
+def sum_into(parts: list[np.ndarray], outs: list[np.ndarray], copy_out: bool) -> None:
+    """The floor of one all-reduce: n-1 in-place adds into outs[0] (a copy for n=1), then optionally the copies."""
+    total = outs[0]
+    if len(parts) == 1:
+        np.copyto(total, parts[0])
+    else:
+        np.add(parts[0], parts[1], out=total)
+        for part in parts[2:]:
+            np.add(total, part, out=total)
+    if copy_out:
+        for out in outs[1:]:
+            np.copyto(out, total)
+
+
+def check_sums(strategy: distrib.MirroredStrategy, result) -> None:
+    """Every replica must get 1 + 2 + ... + n, or the timings measure the wrong thing."""
+    replicas = strategy.num_replicas_in_sync
+    expected = replicas * (replicas + 1) / 2
+    for value in strategy.experimental_local_results(result):
+        for array in value if isinstance(value, list) else [value]:
+            if not np.all(array == expected):
+                raise SystemExit(f"distrib's all-reduce gave {array}, expected {expected} everywhere.")
+
+
+def measure_replicas(replicas: int, repeats: int, min_seconds: float) -> dict[str, dict]:
+    """distrib and both floors for every workload at one replica count, all on the same input arrays."""
+    strategy = distrib.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    vector = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full(VECTOR_ELEMENTS, ctx.replica_id_in_sync_group + 1, np.float32))
+    batch = strategy.experimental_distribute_values_from_function(
+        lambda ctx: [np.full(BATCH_ELEMENTS, ctx.replica_id_in_sync_group + 1, np.float32)
+                     for _ in range(BATCH_COUNT)])
+    check_sums(strategy, strategy.run(all_reduce_step, args=(vector,)))
+    check_sums(strategy, strategy.run(all_reduce_step, args=(batch,)))
+
+    vector_parts = list(strategy.experimental_local_results(vector))
+    vector_outs = [np.empty(VECTOR_ELEMENTS, np.float32) for _ in range(replicas)]
+    batch_parts = [list(column) for column in zip(*strategy.experimental_local_results(batch))]
+    batch_outs = [[np.empty(BATCH_ELEMENTS, np.float32) for _ in range(replicas)] for _ in range(BATCH_COUNT)]
+
+    def vector_floor(copy_out: bool) -> None:
+        sum_into(vector_parts, vector_outs, copy_out)
+
+    def batch_floor(copy_out: bool) -> None:
+        for parts, outs in zip(batch_parts, batch_outs):
+            sum_into(parts, outs, copy_out)
+
+    runs = {"allreduce_1m": (all_reduce_step, (vector,), vector_floor),
+            "batch_200x1000": (all_reduce_step, (batch,), batch_floor),
+            "empty_merge_call": (merge_call_step, (), None)}
+    rows = {}
+    for name, (fn, args, floor) in runs.items():
+        row = {"distrib_us": per_step_us(partial(strategy.run, fn, args=args), repeats, min_seconds),
+               "floor_us": None, "floor_copies_us": None, "ratio": None}
+        if floor is not None:
+            row["floor_us"] = per_step_us(partial(floor, False), repeats, min_seconds)
+            row["floor_copies_us"] = per_step_us(partial(floor, True), repeats, min_seconds)
+            row["ratio"] = round(row["distrib_us"] / row["floor_us"], 3)
+        rows[name] = row
+    return rows
+
+
+def run_tf_peer(tf_python: str, repeats: int, min_seconds: float) -> dict:
+    """tf_peer.py's JSON, or {"note": why not} when TensorFlow could not be run."""
+    command = [tf_python, str(BENCH / "tf_peer.py"), "--repeats", str(repeats), "--min-seconds", str(min_seconds)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"note": f"{' '.join(command)} failed: {exc}"}
+    if done.returncode != 0:
+        return {"note": f"{' '.join(command)} exited with {done.returncode}: {done.stderr.strip()[-2000:]}"}
+    return json.loads(done.stdout)
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    at_target = results.get(TARGET_REPLICAS, {})
+    targets = []
+    for name, (measure, limit) in TARGETS.items():
+        row = at_target.get(name)
+        value = None if row is None else row["ratio" if measure == "ratio" else "distrib_us"]
+        targets.append({"workload": name, "replicas": TARGET_REPLICAS, "measure": measure, "limit": limit,
+                        "value": value, "passed": None if value is None else value <= limit})
+    return targets
+
+
+def compare_with_tf(results: dict, tf: dict) -> list[dict]:
+    at_target = results.get(TARGET_REPLICAS)
+    if at_target is None or "note" in tf:
+        return []
+    return [{"workload": name, "mode": mode, "distrib_us": at_target[name]["distrib_us"], "tf_us": tf[key][name],
+             "distrib_faster": at_target[name]["distrib_us"] < tf[key][name]}
+            for name in WORKLOADS for mode, key in (("eager", "eager_us"), ("tf.function", "function_us"))]
+
+
+def machine_info(load_at_start: float) -> dict:
+    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "numpy": np.__version__, "load_average_1m_at_start": load_at_start}
+
+
+def checkout_revision() -> str | None:
+    """`git describe --always --dirty` of the benchmarked checkout: numbers are only comparable per revision."""
+    try:
+        return subprocess.run(["git", "-C", str(BENCH.parent), "describe", "--always", "--dirty"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def show(title: str, header: list[str], rows: list[list[str]], caption: str = "") -> None:
+    """A table through rich when it is installed, else aligned plain text."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+        print(f"\n{title}")
+        for line in [header] + rows:
+            print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
+        if caption:
+            print(caption)
+        return
+    table = Table(*header, title=title, caption=caption, caption_justify="left")
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    console.width = max(console.width, 120)  # piped output defaults to 80 columns, which would cut the numbers
+    console.print(table)
+
+
+def fmt_us(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def target_row(target: dict) -> list[str]:
+    limit, value = target["limit"], target["value"]
+    if target["measure"] == "ratio":
+        goal, measured = f"ratio <= {limit:g}x", fmt_ratio(value)
+    else:
+        goal, measured = f"< {limit:g} µs", fmt_us(value)
+    result = "-" if target["passed"] is None else "PASS" if target["passed"] else "FAIL"
+    return [target["workload"], goal, measured, result]
+
+
+def report(results: dict, tf: dict, targets: list[dict], versus_tf: list[dict]) -> None:
+    tf_columns = "note" not in tf
+    header = ["workload", "replicas", "distrib µs", "floor µs", "floor+copies µs", "ratio"]
+    header += ["TF eager µs", "TF tf.function µs"] if tf_columns else []
+    rows = []
+    for name in WORKLOADS:
+        for replicas, by_workload in results.items():
+            row = by_workload[name]
+            line = [name, str(replicas), fmt_us(row["distrib_us"]), fmt_us(row["floor_us"]),
+                    fmt_us(row["floor_copies_us"]), fmt_ratio(row["ratio"])]
+            if tf_columns:
+                at_peer = replicas == tf["replicas"]
+                line += [fmt_us(tf["eager_us"][name] if at_peer else None),
+                         fmt_us(tf["function_us"][name] if at_peer else None)]
+            rows.append(line)
+    show("strategy.run, µs per step (median)", header, rows,
+         "ratio = distrib / floor (plain sums: n-1 in-place np.add, no copies); floor+copies also copies the sum "
+         "into the other n-1 replicas' outputs.")
+    if not tf_columns:
+        print(f"TensorFlow columns skipped: {tf['note']}")
+
+    show(f"Targets at {TARGET_REPLICAS} replicas", ["workload", "target", "measured", "result"],
+         [target_row(t) for t in targets])
+    if versus_tf:
+        show(f"distrib vs TensorFlow {tf['tensorflow']} at {TARGET_REPLICAS} replicas",
+             ["workload", "TF mode", "distrib µs", "TF µs", "distrib faster"],
+             [[c["workload"], c["mode"], fmt_us(c["distrib_us"]), fmt_us(c["tf_us"]),
+               f"yes ({c['tf_us'] / c['distrib_us']:.2f}x)" if c["distrib_faster"]
+               else f"no ({c['distrib_us'] / c['tf_us']:.2f}x slower)"] for c in versus_tf])
+        verdict = "yes" if all(c["distrib_faster"] for c in versus_tf) else "no"
+        print(f"distrib faster than TensorFlow on every workload, eager and tf.function: {verdict}")
+    elif tf_columns:
+        print(f"No comparison with TensorFlow: it runs on {tf['replicas']} replicas, which --replicas leaves out.")
+
+
+def parse_replicas(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",")]
+    if any(count < 1 for count in counts):
+        raise argparse.ArgumentTypeError(f"replica counts must be positive. Received: {text!r}.")
+    return counts
+
+
+def main() -> None:
+    today = datetime.date.today().isoformat()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--replicas", type=parse_replicas, default=[1, 2, 4, 8], help="comma-separated counts")
+    parser.add_argument("--quick", action="store_true", help="3 short repeats instead of 7 of ~0.2 s")
+    parser.add_argument("--json", type=Path, default=BENCH / "results" / f"strategy-{today}-cpu.json")
+    parser.add_argument("--tf-python", help="python of a TensorFlow environment, to run tf_peer.py under")
+    args = parser.parse_args()
+    repeats, min_seconds = (3, 0.05) if args.quick else (7, 0.2)
+    load_at_start = round(os.getloadavg()[0], 2)
+    if load_at_start > 0.5:  # on a machine with few cores other work inflates every number below
+        print(f"warning: load average {load_at_start} at start; timings may be inflated.", file=sys.stderr)
+
+    results = {}
+    for replicas in args.replicas:
+        print(f"measuring {replicas} replica(s)...", file=sys.stderr)
+        results[replicas] = measure_replicas(replicas, repeats, min_seconds)
+    if args.tf_python is None:
+        tf = {"note": "no --tf-python given."}
+    else:
+        print(f"measuring TensorFlow's MirroredStrategy under {args.tf_python}...", file=sys.stderr)
+        tf = run_tf_peer(args.tf_python, repeats, min_seconds)
+    targets = evaluate_targets(results)
+    versus_tf = compare_with_tf(results, tf)
+    report(results, tf, targets, versus_tf)
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "date": today, "machine": machine_info(load_at_start), "backend": "cpu",
+        "distrib": {"version": distrib.__version__, "revision": checkout_revision()},
+        "settings": {"repeats": repeats, "min_seconds_per_repeat": min_seconds, "statistic": "median",
+                     "vector_elements": VECTOR_ELEMENTS, "batch_count": BATCH_COUNT, "batch_elements": BATCH_ELEMENTS,
+                     "ratio": "distrib_us / floor_us (plain sums, no copies)"},
+        "results": [{"workload": name, "replicas": replicas, **rows[name]}
+                    for name in WORKLOADS for replicas, rows in results.items()],
+        "targets": targets, "tensorflow": tf, "versus_tensorflow": versus_tf,
+    }, indent=2) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
