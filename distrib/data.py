@@ -10,9 +10,11 @@ each replica takes one element per step from the pipeline `dataset_fn` built. Bo
 from __future__ import annotations
 
 import _thread
+import atexit
 import collections
 import math
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
@@ -190,67 +192,127 @@ class _Signal:
 
 
 class _Prefetcher:
-    """Runs `produce` in a daemon thread, keeping up to `depth` results ready; exceptions arrive in order.
+    """Prepares up to `depth` steps ahead in a daemon thread while the consumer is busy; exceptions keep order.
 
-    Every block-and-wake between the two threads costs a GIL handoff (tens of microseconds), so the thread
-    refills in bursts: once the buffer is full it waits until the consumer has drained it to half. A deque with
-    raw-lock signals keeps each handoff cheap. The thread holds no reference to the iterator that owns it, so
+    Handing a step from one thread to the other costs GIL handoffs (~20 us on two cores), which only pays when
+    the consumer spends longer than that away between steps (a training step). So steps are produced inline
+    until the consumer's measured time away per step exceeds `AHEAD_AFTER_SECONDS`; from then on a thread
+    runs ahead. The choice is remembered in `pace` (shared by a dataset's epochs). Both sides work in bursts of
+    half the buffer to wake each other rarely. The thread holds no reference to the iterator that owns it, so
     dropping the iterator stops the thread.
     """
 
-    def __init__(self, produce: Callable[[], Any], depth: int):
+    AHEAD_AFTER_SECONDS = 30e-6
+
+    def __init__(self, produce: Callable[[], Any], depth: int, pace: dict):
+        self._produce, self._depth, self._pace = produce, depth, pace
+        self._half = max(1, depth // 2)
         self._items: collections.deque = collections.deque()
         self._filled, self._drained = _Signal(), _Signal()
-        self._low_water = depth // 2
-        self._stopped = [False]
+        self._state = {"waiting": False, "stopped": False}
+        self._thread: threading.Thread | None = None
+        self._returned_at: float | None = None
         self._done = False
-        threading.Thread(target=self._fill, args=(produce, depth, self._items, self._filled, self._drained,
-                                                  self._stopped),
-                         daemon=True, name="distrib-input-prefetch").start()
+        if pace.get("ahead"):
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        self._pace["ahead"] = True
+        self._thread = threading.Thread(
+            target=self._fill, args=(self._produce, self._depth, self._half, self._items, self._filled,
+                                     self._drained, self._state),
+            daemon=True, name="distrib-input-prefetch")
+        self._thread.start()
+        _LIVE.add(self)
 
     @staticmethod
-    def _fill(produce, depth, items, filled, drained, stopped) -> None:
-        low_water = depth // 2
-        while not stopped[0]:
+    def _fill(produce, depth, half, items, filled, drained, state) -> None:
+        while not state["stopped"]:
             if len(items) >= depth:
-                while len(items) > low_water and not stopped[0]:
+                filled.notify()
+                while len(items) > half and not state["stopped"]:
                     drained.wait(timeout=0.1)
                 continue
-            try:
-                item = produce()
-            except StopIteration:
-                item = _END
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer, at the step it belongs to
-                item = exc
+            item = _produce_one(produce)
             items.append(item)
-            filled.notify()
-            if item is _END or isinstance(item, BaseException):
+            final = item is _END or isinstance(item, BaseException)
+            if final or (state["waiting"] and len(items) >= half):
+                filled.notify()
+            if final:
                 return
 
     def get(self) -> Any:
         if self._done:
             raise StopIteration
-        while True:
-            try:
-                item = self._items.popleft()
-                break
-            except IndexError:
-                if self._stopped[0]:  # closed: nothing more will come
-                    self._done = True
-                    raise StopIteration from None
-                self._filled.wait(timeout=0.1)
-        if len(self._items) <= self._low_water:
-            self._drained.notify()
+        if self._thread is None:
+            if self._returned_at is not None and self._consumer_is_busy(time.perf_counter() - self._returned_at):
+                self._start_thread()
+            item = _produce_one(self._produce) if self._thread is None else self._pop()
+        else:
+            item = self._pop()
         if item is _END or isinstance(item, BaseException):
+            self.close()
             self._done = True
             if item is not _END:
                 raise item
             raise StopIteration
+        if self._thread is None:
+            self._returned_at = time.perf_counter()
         return item
 
+    def _consumer_is_busy(self, away: float) -> bool:
+        """Whether the consumer's time away per step (median of the first 8, then a moving average) is long."""
+        samples = self._pace.setdefault("samples", [])
+        if len(samples) < 8:  # a median, so that one garbage collection does not decide
+            samples.append(away)
+            if len(samples) < 8:
+                return False
+            self._pace["away"] = sorted(samples)[4]
+        else:
+            self._pace["away"] = 0.95 * self._pace["away"] + 0.05 * away
+        return self._pace["away"] > self.AHEAD_AFTER_SECONDS
+
+    def _pop(self) -> Any:
+        while True:
+            try:
+                item = self._items.popleft()
+            except IndexError:
+                self._state["waiting"] = True
+                self._filled.wait(timeout=0.05)
+                self._state["waiting"] = False
+                continue
+            if len(self._items) <= self._half:
+                self._drained.notify()
+            return item
+
     def close(self) -> None:
-        self._stopped[0] = True
+        self._state["stopped"] = True
         self._drained.notify()
+
+
+_LIVE: "weakref.WeakSet[_Prefetcher]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_prefetch_threads() -> None:
+    """Stops running prefetch threads before the interpreter finalizes: a daemon thread still inside NumPy or
+    optree when the interpreter tears down aborts the process."""
+    prefetchers = list(_LIVE)
+    for prefetcher in prefetchers:
+        prefetcher.close()
+    for prefetcher in prefetchers:
+        if prefetcher._thread is not None:
+            prefetcher._thread.join(timeout=2.0)
+
+
+def _produce_one(produce: Callable[[], Any]) -> Any:
+    """One step, or _END, or the exception producing it raised (delivered in order)."""
+    try:
+        return produce()
+    except StopIteration:
+        return _END
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer, at the step it belongs to
+        return exc
 
 
 # -- iterators ------------------------------------------------------------------------------------------------
@@ -258,9 +320,12 @@ class _Prefetcher:
 class DistributedIterator:
     """Yields one structure of PerReplica values per step; `get_next_as_optional` for the last partial step."""
 
-    def __init__(self, produce: Callable[[], Any], options: InputOptions, element_spec: Callable[[], Any]):
+    def __init__(self, produce: Callable[[], Any], options: InputOptions, element_spec: Callable[[], Any],
+                 pace: dict):
         self._element_spec = element_spec
-        self._prefetcher = _Prefetcher(produce, options.experimental_per_replica_buffer_size + 1)
+        # the device buffers plus the one in use, doubled so that each side works in bursts of that size
+        depth = max(4, 2 * (options.experimental_per_replica_buffer_size + 1))
+        self._prefetcher = _Prefetcher(produce, depth, pace)
         weakref.finalize(self, self._prefetcher.close)
 
     def __iter__(self) -> "DistributedIterator":
@@ -299,6 +364,7 @@ class _DatasetBase:
             raise TypeError(f"options must be a distrib.InputOptions. Received: {type(options).__name__}.")
         self._workers, self._options = workers, options
         self._spec: Any = None
+        self._pace: dict = {}  # the consumer's pace, learned in one epoch and used by the next
 
     def _record_spec(self, spec: Any, arrays: Sequence[Any]) -> None:
         if self._spec is None:
@@ -379,7 +445,7 @@ class DistributedDataset(_DatasetBase):
             per_replica = [[a[start:stop] for a in arrays] for start, stop in bounds]
             return _assemble(spec, _place(workers, options, per_replica))
 
-        return DistributedIterator(produce, options, self._element_spec)
+        return DistributedIterator(produce, options, self._element_spec, self._pace)
 
     def __repr__(self) -> str:
         return f"<DistributedDataset replicas={self._workers.num_replicas_in_sync}>"
@@ -438,7 +504,7 @@ class DistributedDatasetsFromFunction(_DatasetBase):
             per_replica = [arrays if arrays is not None else [a[:0] for a in template] for arrays in per_replica]
             return _assemble(spec, _place(workers, options, per_replica))
 
-        return DistributedIterator(produce, options, self._element_spec)
+        return DistributedIterator(produce, options, self._element_spec, self._pace)
 
     def __repr__(self) -> str:
         return f"<DistributedDatasetsFromFunction replicas={self._workers.num_replicas_in_sync}>"
