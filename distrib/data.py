@@ -12,12 +12,13 @@ from __future__ import annotations
 import _thread
 import atexit
 import collections
+import functools
 import math
 import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -126,8 +127,10 @@ def _batch_leaves(element: Any, backend: Backend, what: str) -> tuple[list, Any]
             raise TypeError(f"Every leaf of a {what} must be an array. Received: {type(leaf).__name__} at path "
                             f"{format_path(spec.paths()[k])}.") from exc
         if array.ndim == 0:
+            hint = " (a Python list is a structure, not an array: use np.asarray)" if spec.paths()[k] and \
+                isinstance(spec.paths()[k][-1], int) else ""
             raise ValueError(f"Every leaf of a {what} needs a leading batch dimension to split across replicas. "
-                             f"Received: a scalar at path {format_path(spec.paths()[k])}.")
+                             f"Received: a scalar at path {format_path(spec.paths()[k])}{hint}.")
         if array.dtype.kind in "OSU":
             raise TypeError(f"Every leaf of a {what} must be a numeric array. Received: dtype {array.dtype} at "
                             f"path {format_path(spec.paths()[k])}.")
@@ -147,15 +150,16 @@ def _rows(arrays: Sequence[Any], spec: Any, what: str) -> int:
     return rows
 
 
-def split_bounds(rows: int, num_slices: int) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=256)
+def split_bounds(rows: int, num_slices: int) -> tuple[tuple[int, int], ...]:
     """Row ranges of TensorFlow's split of a batch of unknown size: slices of ceil(rows / n), the last short.
 
     Example:
       >>> split_bounds(7, 4), split_bounds(5, 4)
-      ([(0, 2), (2, 4), (4, 6), (6, 7)], [(0, 2), (2, 4), (4, 5), (5, 5)])
+      (((0, 2), (2, 4), (4, 6), (6, 7)), ((0, 2), (2, 4), (4, 5), (5, 5)))
     """
     size = math.ceil(rows / num_slices) if rows else 0
-    return [(min(i * size, rows), min((i + 1) * size, rows)) for i in range(num_slices)]
+    return tuple((min(i * size, rows), min((i + 1) * size, rows)) for i in range(num_slices))
 
 
 def _place(workers: InputWorkers, options: InputOptions, per_replica: list[list[Any]]) -> list[list[Any]]:
@@ -252,7 +256,6 @@ class _Prefetcher:
             item = self._pop()
         if item is _END or isinstance(item, BaseException):
             self.close()
-            self._done = True
             if item is not _END:
                 raise item
             raise StopIteration
@@ -286,6 +289,8 @@ class _Prefetcher:
             return item
 
     def close(self) -> None:
+        """Ends the iteration: the thread, if any, stops and later calls raise StopIteration."""
+        self._done = True
         self._state["stopped"] = True
         self._drained.notify()
 
@@ -350,7 +355,7 @@ class DistributedIterator:
         return self._element_spec()
 
     def close(self) -> None:
-        """Stops the prefetch thread; the iterator yields nothing afterwards that it had not prepared."""
+        """Ends the iteration and stops the prefetch thread; later `next` calls raise StopIteration."""
         self._prefetcher.close()
 
 
@@ -383,9 +388,14 @@ class _DatasetBase:
 
 def _reiterable(source: Iterable, kind: str) -> Callable[[], Iterator]:
     """A function that opens a fresh iterator per epoch, refusing to silently restart a one-shot iterator."""
-    if not hasattr(source, "__iter__"):
+    if not hasattr(source, "__iter__") or isinstance(source, (str, bytes)):
         raise TypeError(f"{kind} must be iterable (a list, a generator, a dataset object). Received: "
                         f"{type(source).__name__}.")
+    if isinstance(source, Mapping) or hasattr(source, "__array__") or hasattr(source, "__dlpack__"):
+        unit = "key" if isinstance(source, Mapping) else "row"
+        raise TypeError(f"{kind} must be an iterable of batches, not a single {type(source).__name__} (which "
+                        f"would be read {unit} by {unit}). Pass a list of batches, e.g. "
+                        f"[x[i:i + 64] for i in range(0, len(x), 64)].")
     opened = []
 
     def open_epoch() -> Iterator:
@@ -441,7 +451,7 @@ class DistributedDataset(_DatasetBase):
             arrays, spec = _batch_leaves(batch, workers.backend, "dataset element")
             bounds = split_bounds(_rows(arrays, spec, "dataset element"), slices)[first:first + local]
             self._record_spec(spec, arrays)
-            last_seen[:] = [spec, arrays]
+            last_seen[:] = [spec, [a[:0].copy() for a in arrays]]  # copies: a view would pin the whole batch
             per_replica = [[a[start:stop] for a in arrays] for start, stop in bounds]
             return _assemble(spec, _place(workers, options, per_replica))
 
@@ -494,7 +504,7 @@ class DistributedDatasetsFromFunction(_DatasetBase):
                     raise ValueError(f"Every replica's batch must have the same structure. Received: "
                                      f"{element_spec} vs {spec}.")
                 spec = element_spec
-                last_seen[:] = [spec, arrays]
+                last_seen[:] = [spec, [a[:0].copy() for a in arrays]]  # copies: a view would pin the whole batch
                 self._record_spec(spec, arrays)
                 per_replica.append(arrays)
             if not last_seen:

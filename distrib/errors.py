@@ -6,7 +6,8 @@
         ├── CollectiveMismatchError (+ ValueError)   replicas passed different structures/shapes/dtypes
         ├── MergeCallMismatchError (+ RuntimeError)  replicas made different numbers of merge_call calls
         ├── ContextError           (+ RuntimeError)  an API called in the wrong (replica/cross-replica) context
-        └── BackendUnavailableError (+ RuntimeError) the requested backend cannot run here
+        ├── BackendUnavailableError (+ RuntimeError) the requested backend cannot run here
+        └── CollectiveError        (+ RuntimeError)  NCCL or CUDA failed a collective; its communicators were aborted
 
 Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class derives from the
 builtin a TensorFlow user would catch, so `except ValueError` keeps working.
@@ -47,3 +48,20 @@ class ContextError(DistribError, RuntimeError):
 
 class BackendUnavailableError(DistribError, RuntimeError):
     """The backend that was asked for cannot run on this machine; the message says what to install."""
+
+
+class CollectiveError(DistribError, RuntimeError):
+    """The communication library (NCCL) or the CUDA runtime failed a collective.
+
+    The communicators of the devices involved were aborted; the next collective creates new ones, so the
+    strategy stays usable once the cause is fixed.
+
+    Attributes:
+      operation: name of the collective that failed.
+      status: the library's error code (NCCL's ncclResult_t or CUDA's cudaError_t), or None.
+    """
+
+    def __init__(self, message: str, *, operation: str = "", status: int | None = None):
+        super().__init__(message)
+        self.operation = operation
+        self.status = status

@@ -15,7 +15,6 @@ replica thread that does not come back is retired and replaced, so the strategy 
 from __future__ import annotations
 
 import _thread
-import os
 import threading
 import time
 import weakref
@@ -26,11 +25,10 @@ from distrib.backends import Backend, cuda_problem, detect, get_backend
 from distrib.collective.cross_device_ops import CrossDeviceOps, default_cross_device_ops
 from distrib.devices import canonical_name, parse_device
 from distrib.errors import DeadlineExceededError, MergeCallMismatchError
-from distrib.options import CommunicationOptions
+from distrib.options import CommunicationOptions, default_timeout
 from distrib.strategy import ReplicaContext, Strategy, StrategyExtended
 from distrib.values import regroup, select_replicas
 
-DEFAULT_TIMEOUT_SECONDS = 600.0  # how long replicas wait at a collective when no timeout_seconds is given
 _POLL_SECONDS = 0.05
 _STOP_GRACE_SECONDS = 10.0
 
@@ -39,20 +37,6 @@ RUNNING, WAITING, DONE, FAILED = "running", "waiting", "done", "failed"
 
 class _RequestedStop(BaseException):
     """Unwinds a replica function whose run was stopped; a BaseException so `except Exception` cannot eat it."""
-
-
-def default_timeout() -> float:
-    """$DISTRIB_COLLECTIVE_TIMEOUT seconds if set, else DEFAULT_TIMEOUT_SECONDS."""
-    raw = os.environ.get("DISTRIB_COLLECTIVE_TIMEOUT")
-    if raw is None:
-        return DEFAULT_TIMEOUT_SECONDS
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"DISTRIB_COLLECTIVE_TIMEOUT must be a number of seconds. Received: {raw!r}.") from None
-    if value <= 0:
-        raise ValueError(f"DISTRIB_COLLECTIVE_TIMEOUT must be positive. Received: {raw!r}.")
-    return value
 
 
 class _Run:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import numbers
+import os
 from dataclasses import dataclass, field, replace
 
 
@@ -108,6 +109,23 @@ class CommunicationOptions:
     def timeout(self) -> float | None:
         """The timeout in seconds, with 0 meaning none."""
         return self.timeout_seconds or None
+
+
+DEFAULT_TIMEOUT_SECONDS = 600.0  # how long a collective may wait when no timeout_seconds is given
+
+
+def default_timeout() -> float:
+    """$DISTRIB_COLLECTIVE_TIMEOUT seconds if set, else DEFAULT_TIMEOUT_SECONDS."""
+    raw = os.environ.get("DISTRIB_COLLECTIVE_TIMEOUT")
+    if raw is None:
+        return DEFAULT_TIMEOUT_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"DISTRIB_COLLECTIVE_TIMEOUT must be a number of seconds. Received: {raw!r}.") from None
+    if value <= 0:
+        raise ValueError(f"DISTRIB_COLLECTIVE_TIMEOUT must be positive. Received: {raw!r}.")
+    return value
 
 
 @dataclass(frozen=True)

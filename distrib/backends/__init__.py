@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 
 from distrib.backends.base import Backend
 from distrib.errors import BackendUnavailableError
@@ -39,24 +40,29 @@ def _log_once(kind: str, message: str) -> None:
 
 
 def cuda_problem() -> str | None:
-    """Why the CUDA backend cannot run here (None if it can): which of CuPy, a GPU or NCCL is missing."""
+    """Why the CUDA backend cannot run here (None if it can): CuPy missing, or which of a GPU and NCCL is missing."""
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed (pip install 'distrib[cuda12]' or 'distrib[cuda13]')"
     try:
         import cupy
     except Exception as exc:  # a broken CuPy install is as good as none
         return f"CuPy failed to import ({type(exc).__name__}: {exc})"
+    problems = []
     if not cupy.is_available():
-        return "CuPy sees no CUDA GPU (no driver, or CUDA_VISIBLE_DEVICES hides them all)"
+        problems.append("CuPy sees no CUDA GPU (no driver, or CUDA_VISIBLE_DEVICES hides them all)")
     try:
-        from cupy.cuda import nccl
+        with warnings.catch_warnings():  # CuPy warns when libnccl is missing; the reason below says it instead
+            warnings.simplefilter("ignore")
+            from cupy.cuda import nccl
     except Exception as exc:
-        return f"cupy.cuda.nccl failed to import ({exc}); pip install nvidia-nccl-cu12 (in distrib[cuda12])"
-    if not getattr(nccl, "available", False):
-        return "NCCL is not loadable; pip install nvidia-nccl-cu12 (in distrib[cuda12]) or nvidia-nccl-cu13"
-    if importlib.util.find_spec(_CLASSES["cuda"][0]) is None:
-        return "this build of distrib has no CUDA backend module"
-    return None
+        problems.append(f"cupy.cuda.nccl failed to import ({exc}); pip install nvidia-nccl-cu12 (in distrib[cuda12])")
+    else:
+        if not getattr(nccl, "available", False):
+            problems.append("NCCL is not loadable; pip install nvidia-nccl-cu12 (in distrib[cuda12]) or "
+                            "nvidia-nccl-cu13 (in distrib[cuda13])")
+    if not problems and importlib.util.find_spec(_CLASSES["cuda"][0]) is None:
+        problems.append("this build of distrib has no CUDA backend module")
+    return "; and ".join(problems) or None
 
 
 def detect() -> str:

@@ -15,7 +15,9 @@ class Backend(abc.ABC):
     """What the strategy layer needs from an array runtime. Every method is required.
 
     Collectives take one flat, contiguous 1-D array per device (same length and dtype everywhere, in device
-    order) and return new arrays; they never write into their inputs, which may be the user's arrays.
+    order) and return new arrays; they never write into their inputs, which may be the user's arrays. Their
+    `timeout` bounds how long a collective may take in seconds (None: the backend's default); a backend whose
+    collectives cannot hang ignores it.
     """
 
     name: str = ""
@@ -72,19 +74,20 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def all_reduce(self, flats: Sequence[Any], chunks: Sequence[tuple[int, int]], devices: Sequence[str],
-                   mean: bool) -> list[Any]:
+                   mean: bool, *, timeout: float | None = None) -> list[Any]:
         """Element-wise sum (or mean, for float dtypes) across devices, one collective call per chunk."""
 
     @abc.abstractmethod
-    def all_gather(self, flats: Sequence[Any], devices: Sequence[str]) -> list[Any]:
+    def all_gather(self, flats: Sequence[Any], devices: Sequence[str], *, timeout: float | None = None) -> list[Any]:
         """Each device gets the concatenation of every device's flat array, in device order."""
 
     @abc.abstractmethod
-    def reduce_scatter(self, flats: Sequence[Any], devices: Sequence[str]) -> list[Any]:
+    def reduce_scatter(self, flats: Sequence[Any], devices: Sequence[str], *,
+                       timeout: float | None = None) -> list[Any]:
         """Device i gets the i-th equal slice of the element-wise sum (length must divide evenly)."""
 
     @abc.abstractmethod
-    def broadcast(self, array: Any, devices: Sequence[str]) -> list[Any]:
+    def broadcast(self, array: Any, devices: Sequence[str], *, timeout: float | None = None) -> list[Any]:
         """A copy of `array` on each device."""
 
     @abc.abstractmethod

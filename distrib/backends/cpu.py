@@ -174,7 +174,7 @@ class CpuBackend(Backend):
     def unpack(self, flat, buffer: Buffer):
         return [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
 
-    def all_reduce(self, flats, chunks, devices, mean):
+    def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         total = self._pool.empty(flats[0].shape, flats[0].dtype)
         for start, stop in chunks:
             out = total[start:stop]
@@ -188,12 +188,12 @@ class CpuBackend(Backend):
                 np.true_divide(out, len(flats), out=out)
         return _shared(total, len(devices))
 
-    def all_gather(self, flats, devices):
+    def all_gather(self, flats, devices, *, timeout=None):
         gathered = self._pool.empty((sum(f.size for f in flats),), flats[0].dtype)
         np.concatenate(flats, out=gathered)
         return _shared(gathered, len(devices))
 
-    def reduce_scatter(self, flats, devices):
+    def reduce_scatter(self, flats, devices, *, timeout=None):
         n = len(devices)
         if flats[0].size % n:
             raise ValueError(f"reduce_scatter needs a length divisible by {n} devices. Received: {flats[0].size}.")
@@ -201,7 +201,7 @@ class CpuBackend(Backend):
         part = total.size // n
         return [self.copy(total[i * part:(i + 1) * part], d) for i, d in enumerate(devices)]
 
-    def broadcast(self, array, devices):
+    def broadcast(self, array, devices, *, timeout=None):
         return _shared(self.copy(array, devices[0]), len(devices))
 
     def add_n(self, arrays, device):

@@ -30,12 +30,14 @@ class CrossDeviceOps:
     def reduce_to(self, backend: Backend, op: ReduceOp, components: Sequence[Any], devices: Sequence[str],
                   destinations: Sequence[str]) -> list[Any]:
         """Reduces one array per device onto `destinations` (device names, or ('host',) for NumPy)."""
-        total = backend.add_n(list(components), devices[0] if destinations[0] == HOST else destinations[0])
+        target = devices[0] if destinations[0] == HOST else destinations[0]
+        total = backend.add_n(list(components), target)
         if op is ReduceOp.MEAN:
-            if _is_float(total):
-                total /= len(components)
-            else:
-                total = backend.xp.asarray(total / len(components))  # NumPy makes 0-d / int a scalar
+            with backend.device_scope(target):
+                if _is_float(total):
+                    total /= len(components)
+                else:
+                    total = backend.xp.asarray(total / len(components))  # NumPy makes 0-d / int a scalar
         if tuple(destinations) == (HOST,):
             return [backend.to_host(total)]
         return [total] + [backend.copy(total, d) for d in destinations[1:]]
@@ -55,16 +57,21 @@ class CrossDeviceOps:
             padded = []
             for front, device in zip(fronts, devices):
                 pad = backend.empty((longest,) + rest, front.dtype, device)
-                pad[:front.shape[0]] = front
-                pad[front.shape[0]:] = 0
+                with backend.device_scope(device):
+                    pad[:front.shape[0]] = front
+                    pad[front.shape[0]:] = 0
                 padded.append(pad)
             fronts = padded
-        flats = [xp.ascontiguousarray(f).reshape(-1) for f in fronts]
+        flats = []
+        for front, device in zip(fronts, devices):
+            with backend.device_scope(device):
+                flats.append(xp.ascontiguousarray(front).reshape(-1))
         results = []
-        for gathered in backend.all_gather(flats, list(devices)):
+        for gathered, device in zip(backend.all_gather(flats, list(devices)), devices):
             blocks = gathered.reshape((len(components), longest) + rest)
             if any(n != longest for n in lengths):
-                joined = xp.concatenate([blocks[r, :n] for r, n in enumerate(lengths)], axis=0)
+                with backend.device_scope(device):
+                    joined = xp.concatenate([blocks[r, :n] for r, n in enumerate(lengths)], axis=0)
             else:
                 joined = blocks.reshape((len(components) * longest,) + rest)
             results.append(xp.moveaxis(joined, 0, axis))
@@ -96,8 +103,9 @@ class ReductionToOneDevice(CrossDeviceOps):
             else:
                 total = backend.add_n(list(components), target)
             if op is ReduceOp.MEAN:
-                total = total / len(components)
-            out.append(backend.broadcast(total, list(devices)))
+                with backend.device_scope(target):
+                    total = total / len(components)
+            out.append(backend.broadcast(total, list(devices), timeout=options.timeout))
         return [list(values) for values in zip(*out)] if out else [[] for _ in devices]
 
     def __repr__(self) -> str:
@@ -131,7 +139,7 @@ class _PackedAllReduce(CrossDeviceOps):
             self._plans[key] = plan
         return plan
 
-    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack):
+    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack, timeout):
         raise NotImplementedError
 
     def batch_all_reduce(self, backend, op, per_replica, devices, options):
@@ -146,12 +154,14 @@ class _PackedAllReduce(CrossDeviceOps):
             float_mean = mean and buffer.dtype.startswith(("float", "complex", "bfloat"))
             flats = [backend.pack([values[i] for i in indices], buffer, device)
                      for values, device in zip(per_replica, devices)]
-            reduced = self._reduce_flats(backend, flats, buffer, list(devices), float_mean, first_pack)
+            reduced = self._reduce_flats(backend, flats, buffer, list(devices), float_mean, first_pack,
+                                         options.timeout)
             first_pack += len(buffer.chunks)
-            for out, flat in zip(results, reduced):
+            for out, flat, device in zip(results, reduced, devices):
                 arrays = backend.unpack(flat, buffer)
                 if mean and not float_mean:
-                    arrays = [backend.xp.asarray(a / count) for a in arrays]
+                    with backend.device_scope(device):
+                        arrays = [backend.xp.asarray(a / count) for a in arrays]
                 for i, array in zip(indices, arrays):
                     out[i] = array
         return results
@@ -172,8 +182,8 @@ class NcclAllReduce(_PackedAllReduce):
       >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=distrib.NcclAllReduce(num_packs=2))
     """
 
-    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack):
-        return backend.all_reduce(flats, buffer.chunks, devices, mean)
+    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack, timeout):
+        return backend.all_reduce(flats, buffer.chunks, devices, mean, timeout=timeout)
 
 
 class HierarchicalCopyAllReduce(_PackedAllReduce):
@@ -183,13 +193,14 @@ class HierarchicalCopyAllReduce(_PackedAllReduce):
     spread the work over devices. Works for any device count; with one device it is a copy.
     """
 
-    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack):
+    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack, timeout):
         n = len(devices)
         outs = [backend.empty(flats[0].shape, flats[0].dtype, d) for d in devices]
         for pack, (start, stop) in enumerate(buffer.chunks, start=first_pack):
             parts = [f[start:stop] for f in flats]
             if n == 1:
-                outs[0][start:stop] = parts[0]
+                with backend.device_scope(devices[0]):
+                    outs[0][start:stop] = parts[0]
                 continue
             halves = (list(range(n // 2)), list(range(n // 2, n)))
             m0 = pack % n
@@ -199,11 +210,14 @@ class HierarchicalCopyAllReduce(_PackedAllReduce):
                                    backend.copy(backend.add_n([parts[i] for i in far], devices[m1]), devices[m0])],
                                   devices[m0])
             if mean:
-                total /= n
+                with backend.device_scope(devices[m0]):
+                    total /= n
             total_far = backend.copy(total, devices[m1])
             for group, source in ((near, total), (far, total_far)):
                 for i in group:
-                    outs[i][start:stop] = source if i in (m0, m1) else backend.copy(source, devices[i])
+                    local = source if i in (m0, m1) else backend.copy(source, devices[i])
+                    with backend.device_scope(devices[i]):
+                        outs[i][start:stop] = local
         return outs
 
 

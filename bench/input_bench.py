@@ -1,0 +1,145 @@
+"""Steps/s of distributed input beside iterating the raw dataset, and how much input time prefetch hides."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))  # benchmark the checkout this file belongs to, installed or not
+
+import distrib  # noqa: E402
+
+ROWS, FEATURES = 1024, 256  # one global batch: 1024 x 256 float32 = 1 MiB, plus int32 labels
+STEPS = 128  # batches per epoch
+TARGET_REPLICAS, TARGET_OVERHEAD = 4, 0.10
+
+
+class ShuffledBatches:
+    """An in-memory dataset: each epoch gathers shuffled rows into fresh 1 MiB batches, as a real loader does."""
+
+    def __init__(self, rows: int = 64 * ROWS):
+        rng = np.random.default_rng(0)
+        self.x = rng.random((rows, FEATURES), dtype=np.float32)
+        self.y = rng.integers(0, 10, rows).astype(np.int32)
+
+    def __iter__(self):
+        rng = np.random.default_rng(1)
+        for _ in range(STEPS):
+            index = rng.integers(0, len(self.x), ROWS)
+            yield {"x": self.x[index], "y": self.y[index]}
+
+
+def epoch_us(iterable, step=None, repeats: int = 7) -> float:
+    """Median over `repeats` epochs of the time per step, in microseconds; one warm-up epoch first."""
+    samples = []
+    for k in range(repeats + 1):
+        start = time.perf_counter()
+        for batch in iterable:
+            if step is not None:
+                step(batch)
+        if k:
+            samples.append((time.perf_counter() - start) / STEPS)
+    return round(statistics.median(samples) * 1e6, 1)
+
+
+def training_step(weights: np.ndarray, strategy):
+    """A stand-in for a step's compute: one matmul per replica's slice (BLAS releases the GIL, as real steps do)."""
+    def step(batch):
+        parts = strategy.experimental_local_results(batch["x"]) if strategy else (batch["x"],)
+        for part in parts:
+            part @ weights
+    return step
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--replicas", default="1,2,4,8", help="comma-separated replica counts")
+    parser.add_argument("--quick", action="store_true", help="3 epochs per measurement instead of 7")
+    parser.add_argument("--json", type=Path, default=None, help="where to write results "
+                        "(default bench/results/input-<date>-cpu.json)")
+    args = parser.parse_args(argv)
+    repeats = 3 if args.quick else 7
+    counts = [int(n) for n in args.replicas.split(",")]
+    dataset = ShuffledBatches()
+    weights = np.random.default_rng(2).random((FEATURES, 512), dtype=np.float32)
+
+    raw = epoch_us(dataset, repeats=repeats)
+    rows = []
+    for n in counts:
+        strategy = distrib.MirroredStrategy([f"CPU:{i}" for i in range(n)])
+        dist = strategy.experimental_distribute_dataset(dataset)
+        consumed = epoch_us(dist, repeats=repeats)
+        rows.append({"replicas": n, "raw_us": raw, "distributed_us": consumed,
+                     "overhead": round(consumed / raw - 1, 4), "raw_steps_per_s": round(1e6 / raw),
+                     "distributed_steps_per_s": round(1e6 / consumed)})
+
+    # Prefetch: with compute between steps, a distributed step should cost about max(input, compute).
+    strategy = distrib.MirroredStrategy([f"CPU:{i}" for i in range(TARGET_REPLICAS)])
+    dist = strategy.experimental_distribute_dataset(dataset)
+    compute_alone = epoch_us([next(iter(dataset))] * STEPS, training_step(weights, None), repeats)
+    overlap = {"input_us": raw, "compute_us": compute_alone,
+               "raw_plus_compute_us": epoch_us(dataset, training_step(weights, None), repeats),
+               "distributed_plus_compute_us": epoch_us(dist, training_step(weights, strategy), repeats)}
+    overlap["ideal_us"] = max(overlap["input_us"], overlap["compute_us"])
+    overlap["hidden_fraction"] = round(
+        (overlap["raw_plus_compute_us"] - overlap["distributed_plus_compute_us"]) / overlap["input_us"], 3)
+
+    target_row = next((r for r in rows if r["replicas"] == TARGET_REPLICAS), None)
+    passed = target_row is not None and target_row["overhead"] <= TARGET_OVERHEAD
+    _print(rows, overlap, target_row, passed)
+    path = args.json or BENCH / "results" / f"input-{datetime.date.today().isoformat()}-cpu.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "benchmark": "input_bench", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    "numpy": np.__version__, "distrib": distrib.__version__},
+        "batch": {"rows": ROWS, "features": FEATURES, "bytes": ROWS * FEATURES * 4 + ROWS * 4, "steps": STEPS},
+        "consume_only": rows, "prefetch_overlap": overlap,
+        "target": {"replicas": TARGET_REPLICAS, "max_overhead": TARGET_OVERHEAD, "passed": passed},
+        "gpu": "not measured: the CUDA backend's host-to-device prefetch needs a GPU"}, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+def _print(rows, overlap, target_row, passed) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text without rich
+        Console = Table = None
+    headers = ["replicas", "raw µs/step", "distributed µs/step", "overhead", "raw steps/s", "distributed steps/s"]
+    cells = [[str(r["replicas"]), f"{r['raw_us']:,.1f}", f"{r['distributed_us']:,.1f}", f"{100 * r['overhead']:+.1f}%",
+              f"{r['raw_steps_per_s']:,}", f"{r['distributed_steps_per_s']:,}"] for r in rows]
+    title = f"Consuming 1 MiB global batches ({ROWS}x{FEATURES} float32 + labels), {STEPS} steps per epoch"
+    if Table is not None:
+        table = Table(title=title)
+        for header in headers:
+            table.add_column(header, justify="right")
+        for row in cells:
+            table.add_row(*row)
+        Console().print(table)
+    else:
+        print(title)
+        for row in [headers] + cells:
+            print("  ".join(f"{c:>20}" for c in row))
+    if target_row is not None:
+        print(f"target at {TARGET_REPLICAS} replicas: overhead <= {100 * TARGET_OVERHEAD:.0f}%: "
+              f"{100 * target_row['overhead']:+.1f}% {'PASS' if passed else 'FAIL'}")
+    print(f"prefetch with a compute step ({TARGET_REPLICAS} replicas): input alone {overlap['input_us']:,.1f} µs, "
+          f"compute alone {overlap['compute_us']:,.1f} µs, raw input + compute {overlap['raw_plus_compute_us']:,.1f} "
+          f"µs, distributed + compute {overlap['distributed_plus_compute_us']:,.1f} µs (ideal max = "
+          f"{overlap['ideal_us']:,.1f} µs); {100 * overlap['hidden_fraction']:.0f}% of the input time hidden")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The kernels of distrib/kernels/*.cu: their launch tables (pure), and their launches through CuPy's RawModule.
+
+- `pack_w<W>` / `unpack_w<W>` (pack.cu) gather the members of a pack into its flat buffer, or scatter the flat
+  buffer into the members, in one launch, moving W-byte words (W = 1, 2, 4, 8 or 16).
+- `reduce_<type>` (reduce.cu) sums same-device arrays in order into one or more outputs and divides for a mean.
+
+The sources ship inside the wheel as package data and compile with NVRTC on first use, once per device (CuPy
+caches the binaries on disk).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+SOURCES = Path(__file__).resolve().parent.parent / "kernels"
+OPTIONS = ("--std=c++17",)
+BLOCK = 256
+MAX_BLOCKS = 8192  # grid-stride loops cover the rest; more blocks only add scheduling work
+WORD_SIZES = (16, 8, 4, 2, 1)
+
+
+def source(name: str) -> str:
+    """The CUDA C source of `name` (e.g. "pack.cu")."""
+    return (SOURCES / name).read_text()
+
+
+def blocks(count: int) -> int:
+    """Blocks of BLOCK threads for a grid-stride loop over `count` items."""
+    return max(1, min(MAX_BLOCKS, -(-count // BLOCK)))
+
+
+def word_size(addresses: Iterable[int]) -> int:
+    """The widest word of WORD_SIZES bytes that divides every address (or byte offset) given.
+
+    Example:
+      >>> word_size([0x7f0000000200, 4000, 8000])
+      16
+      >>> word_size([0x7f0000000200, 4002])
+      2
+    """
+    width = WORD_SIZES[0]
+    for address in addresses:
+        while address % width:
+            width //= 2
+    return width
+
+
+def move_table(member_pointers: Sequence[int], member_nbytes: Sequence[int], flat_pointer: int) -> tuple[int, np.ndarray]:
+    """The word size and int64 table of a pack or unpack launch: member pointers, then word offsets.
+
+    Member m owns words [offsets[m], offsets[m + 1]) of the flat buffer; the table's offsets run from 0 to
+    the total word count, so the kernel reads the total as `offsets[count]`.
+
+    Example:
+      >>> width, table = move_table([0x1000, 0x2000], [12, 4], 0x3000)
+      >>> width, table.tolist()
+      (4, [4096, 8192, 0, 3, 4])
+    """
+    byte_offsets = np.zeros(len(member_nbytes) + 1, np.int64)
+    np.cumsum(member_nbytes, out=byte_offsets[1:])
+    width = word_size([flat_pointer, *member_pointers, *byte_offsets.tolist()])
+    return width, np.concatenate([np.asarray(member_pointers, np.int64), byte_offsets // width])
+
+
+class Kernels:
+    """Compiled kernels, launched on the current device and stream."""
+
+    def __init__(self):
+        self._modules: dict[str, Any] = {}
+        self._functions: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()
+
+    def function(self, file: str, name: str) -> Any:
+        """The RawKernel `name` of `file`; CuPy compiles it for each device on its first launch there."""
+        function = self._functions.get((file, name))
+        if function is None:
+            import cupy
+
+            with self._lock:
+                module = self._modules.get(file)
+                if module is None:
+                    module = self._modules[file] = cupy.RawModule(code=source(file), options=OPTIONS)
+                function = self._functions[(file, name)] = module.get_function(name)
+        return function
+
+    def move(self, flat: Any, members: Sequence[Any], pack: bool) -> None:
+        """Copies contiguous `members` into `flat` in order (pack) or `flat` into them (unpack): one launch."""
+        import cupy
+
+        width, table = move_table([m.data.ptr for m in members], [m.nbytes for m in members], flat.data.ptr)
+        words = int(table[-1])
+        if words:
+            kernel = self.function("pack.cu", f"{'pack' if pack else 'unpack'}_w{width}")
+            kernel((blocks(words),), (BLOCK,), (flat, cupy.asarray(table), np.int32(len(members))))
+
+    def reduce(self, wire: str, count: int, sources: Sequence[Any], outputs: Sequence[Any], divisor: int = 1) -> None:
+        """outputs[k][:count] = sum of sources[j][:count] in order (in `wire` type elements), divided by `divisor`."""
+        import cupy
+
+        if count:
+            table = np.array([a.data.ptr for a in (*sources, *outputs)], np.int64)
+            kernel = self.function("reduce.cu", f"reduce_{wire}")
+            kernel((blocks(count),), (BLOCK,), (cupy.asarray(table), np.int32(len(sources)),
+                                                 np.int32(len(outputs)), np.int64(count), np.int32(divisor)))
+
