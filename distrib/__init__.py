@@ -12,6 +12,8 @@ from distrib.options import (CommunicationImplementation, CommunicationOptions, 
                              ReduceOp, RunOptions)
 from distrib.strategy import ReplicaContext, Strategy, StrategyExtended
 from distrib.values import DistributedValues, Mirrored, PerReplica
+from distrib.variables import (DistributedVariable, MirroredVariable, SyncOnReadVariable, Variable,
+                               VariableAggregation, VariableSynchronization)
 
 __version__ = "0.1.0"
 
@@ -23,12 +25,14 @@ __all__ = [
     "DistributedDatasetsFromFunction",
     "DistributedIterator",
     "DistributedValues",
+    "DistributedVariable",
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
+    "MirroredVariable",
     "NcclAllReduce",
     "PerReplica",
     "ReduceOp",
@@ -37,7 +41,11 @@ __all__ = [
     "RunOptions",
     "Strategy",
     "StrategyExtended",
+    "SyncOnReadVariable",
     "ValueContext",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
     "errors",
     "get_cross_replica_context",
     "get_replica_context",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import threading
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -17,8 +18,15 @@ from distrib.data import (DistributedDataset, DistributedDatasetsFromFunction, I
 from distrib.devices import HOST, canonical_name
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, InputOptions, ReduceOp, RunOptions
+from distrib.variables import (DistributedVariable, Variable, VariableAggregation, VariableSynchronization,
+                               create_distributed_variable, update_context)
 from distrib.values import (DistributedValues, Mirrored, PerReplica, flatten, format_path, map_structure, regroup,
                             select_replica, select_replicas, structure_mismatch, unflatten)
+
+
+def _component_array(component: Any) -> Any:
+    """A variable component's current value; anything else as it is."""
+    return component.read_value() if isinstance(component, Variable) else component
 
 
 def _local_components(value: Any) -> tuple | None:
@@ -408,7 +416,7 @@ class StrategyExtended:
                 raise ValueError(f"reduce_to needs one component per replica ({len(devices)}). Received: "
                                  f"{len(components)}.")
             else:
-                arrays = [backend.to_device(c, d) for c, d in zip(components, devices)]
+                arrays = [backend.to_device(_component_array(c), d) for c, d in zip(components, devices)]
                 _check_reduce_inputs(arrays, k)
                 if destinations == devices:
                     all_reduce_ids.append(k)
@@ -452,6 +460,83 @@ class StrategyExtended:
             return Mirrored([self._backend.to_host(value)])
         source = self._backend.to_device(value, destinations[0])
         return Mirrored(self._cross_device_ops.broadcast(self._backend, source, destinations))
+
+    # -- variables --------------------------------------------------------------------------------------
+
+    def _create_variable(self, initial_value: Any, trainable: bool = True, name: str | None = None,
+                         synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
+                         aggregation: VariableAggregation | str = VariableAggregation.NONE,
+                         dtype: Any = None) -> DistributedVariable:
+        """What `distrib.Variable(...)` builds inside this strategy's scope."""
+        if context.get_replica_context() is not None:
+            raise ContextError("Create variables in the cross-replica context (inside strategy.scope(), outside "
+                               "strategy.run), so that every replica shares them.")
+        devices = getattr(self._colocation, "devices", None) or self._devices
+        return create_distributed_variable(self._container_strategy, self._backend, devices, initial_value,
+                                           trainable, name, synchronization, aggregation, dtype)
+
+    @property
+    def _colocation(self) -> Any:
+        local = self.__dict__.setdefault("_colocation_local", threading.local())
+        return getattr(local, "variable", None)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Variables created in this block are placed on the same devices as `colocate_with_variable`.
+
+        Example:
+          >>> import distrib, numpy as np
+          >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+          >>> with s.scope():
+          ...     v1 = distrib.Variable(np.zeros(3, np.float32))
+          ...     with s.extended.colocate_vars_with(v1):
+          ...         v2 = distrib.Variable(np.float32(1))
+          >>> v2.devices == v1.devices
+          True
+        """
+        top = context.current()
+        if top.strategy is not self._container_strategy:
+            raise ContextError("colocate_vars_with must be used inside the strategy's scope().")
+        if not isinstance(colocate_with_variable, DistributedVariable) or \
+                colocate_with_variable._strategy is not self._container_strategy:
+            raise ValueError(f"colocate_vars_with needs a variable created in this strategy's scope. Received: "
+                             f"{colocate_with_variable!r}.")
+        local = self.__dict__.setdefault("_colocation_local", threading.local())
+        previous = getattr(local, "variable", None)
+        local.variable = colocate_with_variable
+        try:
+            yield
+        finally:
+            local.variable = previous
+
+    def update(self, var: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None,
+               group: bool = True) -> Any:
+        """Runs `fn(component, *args_i, **kwargs_i)` on each of `var`'s components, on its device.
+
+        `args`/`kwargs` are unwrapped per component (a Mirrored gives its i-th value; distributed variables
+        read their i-th component). From a replica context this goes through merge_call. With `group`, the
+        results come back regrouped (the variable itself when fn returns its components), else per replica.
+        """
+        if not callable(fn):
+            raise TypeError(f"update needs a callable fn. Received: {type(fn).__name__}.")
+        ctx = context.get_replica_context()
+        if ctx is not None and ctx.strategy is self._container_strategy:
+            return ctx.merge_call(lambda strategy, *a, **kw: strategy.extended.update(var, fn, a, kw, group),
+                                  args=args, kwargs=kwargs)
+        if isinstance(var, DistributedVariable):
+            if var._strategy is not self._container_strategy:
+                raise ValueError(f"update got a variable of another strategy: {var!r}.")
+            components = var.values
+        elif isinstance(var, Variable):
+            components = (var,)
+        else:
+            raise TypeError(f"update needs a variable. Received: {type(var).__name__}.")
+        kwargs = kwargs or {}
+        results = []
+        for i, component in enumerate(components):
+            with update_context(i), self._backend.device_scope(component.device):
+                results.append(fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs)))
+        return regroup(results, Mirrored if group else PerReplica)
 
     def _input_workers(self) -> InputWorkers:
         """This process's share of the input: one worker feeding every local replica."""

@@ -14,29 +14,11 @@ import distrib
 CONFORMANCE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "conformance"
 CASES = sorted((CONFORMANCE / "cases").glob("*.py")) if CONFORMANCE.is_dir() else []
 
-# A case that uses a capability distrib does not have yet is skipped, naming what it waits for. The check is
-# on the capability itself, so a skip disappears by itself once the capability lands.
-CAPABILITIES = [
-    ("distrib.Variable", "distributed variables (issue #4)", lambda: hasattr(distrib, "Variable")),
-    ("experimental_distribute_dataset", "distributed datasets (issue #3)",
-     lambda: hasattr(distrib.Strategy, "experimental_distribute_dataset")),
-    ("distribute_datasets_from_function", "distributed datasets (issue #3)",
-     lambda: hasattr(distrib.Strategy, "distribute_datasets_from_function")),
-]
-
-
 def _load(path: pathlib.Path):
     spec = importlib.util.spec_from_file_location(f"conformance_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _missing_capability(source: str) -> str | None:
-    for marker, name, available in CAPABILITIES:
-        if marker in source and not available():
-            return name
-    return None
 
 
 def assert_matches(actual, expected, path="result"):
@@ -77,9 +59,6 @@ def test_conformance_cases_are_present():
 
 @pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
 def test_conformance(path):
-    missing = _missing_capability(path.read_text())
-    if missing:
-        pytest.skip(f"waits for {missing}")
     case = _load(path)
     expected = json.loads((CONFORMANCE / "expected" / f"{path.stem}.json").read_text())["result"]
     if isinstance(expected, dict) and "error" in expected:
