@@ -7,7 +7,7 @@
         ├── MergeCallMismatchError (+ RuntimeError)  replicas made different numbers of merge_call calls
         ├── ContextError           (+ RuntimeError)  an API called in the wrong (replica/cross-replica) context
         ├── BackendUnavailableError (+ RuntimeError) the requested backend cannot run here
-        └── CollectiveError        (+ RuntimeError)  NCCL or CUDA failed a collective; its communicators were aborted
+        └── CollectiveError        (+ RuntimeError)  NCCL or CUDA failed a collective (communicators aborted)
 
 Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class derives from the
 builtin a TensorFlow user would catch, so `except ValueError` keeps working.

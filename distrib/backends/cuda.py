@@ -193,7 +193,7 @@ class CudaBackend(Backend):
         members = self._members("pack", arrays, ordinal)
         with self._on(ordinal):
             if len(members) == 1:
-                return members[0].ravel()  # a view: nothing to copy
+                return members[0].ravel()  # a view when contiguous: nothing to copy
             flat = cupy.empty(buffer.size, members[0].dtype)
             self._kernels.move(flat, [cupy.ascontiguousarray(m) for m in members], pack=True)
         return flat
@@ -382,7 +382,7 @@ class CudaBackend(Backend):
         return results
 
     def _reduce_by_copies(self, api: str, flats, ordinals: list[int], mean: bool) -> list[cupy.ndarray]:
-        """All-reduce when replicas share a GPU: one sum on the first device for each replica there, copies elsewhere."""
+        """All-reduce when replicas share a GPU: a sum on the first device per replica there; copies elsewhere."""
         home = ordinals[0]
         sums = self._sum_on(home, api, flats, ordinals, len(flats) if mean else 1, ordinals.count(home))
         local = iter(sums)

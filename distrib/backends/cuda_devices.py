@@ -131,8 +131,9 @@ def discover() -> tuple[Gpu, ...]:
     except pynvml.NVMLError as exc:
         return _without_nvml(f"NVML failed: {exc}")
     if len({g.name for g in gpus}) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        models = ", ".join(sorted({g.name for g in gpus}))
         logger.warning("distrib: this machine mixes GPU models (%s); set CUDA_DEVICE_ORDER=PCI_BUS_ID so that "
-                       "CUDA numbers them in the order distrib reports them.", ", ".join(sorted({g.name for g in gpus})))
+                       "CUDA numbers them in the order distrib reports them.", models)
     return gpus
 
 

@@ -49,7 +49,8 @@ def word_size(addresses: Iterable[int]) -> int:
     return width
 
 
-def move_table(member_pointers: Sequence[int], member_nbytes: Sequence[int], flat_pointer: int) -> tuple[int, np.ndarray]:
+def move_table(member_pointers: Sequence[int], member_nbytes: Sequence[int],
+               flat_pointer: int) -> tuple[int, np.ndarray]:
     """The word size and int64 table of a pack or unpack launch: member pointers, then word offsets.
 
     Member m owns words [offsets[m], offsets[m + 1]) of the flat buffer; the table's offsets run from 0 to

@@ -93,9 +93,9 @@ class CountingCpuBackend(CpuBackend):
             assert all(np.dtype(a.dtype).name == buffer.dtype for a in arrays), "a pack mixes dtypes"
         return super().pack(arrays, buffer, device)
 
-    def all_reduce(self, flats, chunks, devices, mean):
+    def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         self.all_reduce_calls.append(tuple(chunks))
-        return super().all_reduce(flats, chunks, devices, mean)
+        return super().all_reduce(flats, chunks, devices, mean, timeout=timeout)
 
     @property
     def collective_calls(self) -> int:
@@ -350,3 +350,31 @@ def test_all_gather_keeps_dtype(dtype):
     for result in NcclAllReduce().all_gather(CpuBackend(), components, devices(3), 0):
         assert result.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(result, np.concatenate(components))
+
+
+# the collective's timeout reaches the backend, which bounds NCCL with it
+
+
+class TimeoutRecordingBackend(CpuBackend):
+    def __init__(self):
+        super().__init__()
+        self.timeouts = []
+
+    def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
+        self.timeouts.append(("all_reduce", timeout))
+        return super().all_reduce(flats, chunks, devices, mean, timeout=timeout)
+
+    def broadcast(self, array, devices, *, timeout=None):
+        self.timeouts.append(("broadcast", timeout))
+        return super().broadcast(array, devices, timeout=timeout)
+
+
+@pytest.mark.parametrize("options, expected", [(CommunicationOptions(timeout_seconds=7), 7),
+                                               (CommunicationOptions(timeout_seconds=0), None),
+                                               (CommunicationOptions(), None)])
+def test_the_options_timeout_reaches_the_backend_collective(options, expected):
+    per_replica = [[np.ones(3, np.float32)], [np.ones(3, np.float32)]]
+    for op, call in ((NcclAllReduce(), "all_reduce"), (ReductionToOneDevice(), "broadcast")):
+        backend = TimeoutRecordingBackend()
+        op.batch_all_reduce(backend, ReduceOp.SUM, per_replica, devices(2), options)
+        assert backend.timeouts == [(call, expected)]
