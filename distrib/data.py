@@ -165,7 +165,7 @@ def split_bounds(rows: int, num_slices: int) -> tuple[tuple[int, int], ...]:
 def _place(workers: InputWorkers, options: InputOptions, per_replica: list[list[Any]]) -> list[list[Any]]:
     if not options.experimental_fetch_to_device:
         return [[workers.backend.to_host(a) for a in arrays] for arrays in per_replica]
-    return [workers.backend.to_device_all(arrays, device) for arrays, device in zip(per_replica, workers.devices)]
+    return [workers.backend.prefetch_to_device(arrays, device) for arrays, device in zip(per_replica, workers.devices)]
 
 
 def _assemble(spec: Any, per_replica: list[list[Any]]) -> Any:

@@ -157,7 +157,10 @@ class Strategy:
         arrays = [backend.to_device(c, d) for c, d in zip(components, extended.worker_devices)]
         axes = _normalize_axes(axis, arrays[0].ndim)
         xp = backend.xp
-        sums = [xp.sum(a, axis=axes, dtype=a.dtype if a.dtype.kind != "b" else None) for a in arrays]
+        sums = []
+        for array, device in zip(arrays, extended.worker_devices):
+            with backend.device_scope(device):  # each replica's partial sum on its own device and stream
+                sums.append(xp.sum(array, axis=axes, dtype=array.dtype if array.dtype.kind != "b" else None))
         total = backend.to_host(extended._cross_device_ops.reduce_to(backend, ReduceOp.SUM, sums,
                                                                      extended.worker_devices, (HOST,))[0])
         if op is ReduceOp.SUM:

@@ -52,6 +52,14 @@ class Backend(abc.ABC):
         """`[to_device(v, device) for v in values]`; backends may skip work for values already in place."""
         return [self.to_device(v, device) for v in values]
 
+    def prefetch_to_device(self, values: Sequence[Any], device: str) -> list[Any]:
+        """Input batches for `device`, copied in the background of the device's current work where it can.
+
+        Called from the input pipeline's prefetch thread; the arrays returned are safe to use on `device`'s
+        stream without waiting on the host. By default the same as `to_device_all`.
+        """
+        return self.to_device_all(values, device)
+
     @abc.abstractmethod
     def to_host(self, array: Any) -> np.ndarray:
         """A NumPy array with the same contents."""

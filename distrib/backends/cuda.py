@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -77,6 +78,8 @@ class CudaBackend(Backend):
         self._kernels = Kernels()
         self._comms = nccl_comms.Communicators()
         self._nccl_version: int | None = None
+        self._side_streams: dict[int, cupy.cuda.Stream] = {}  # host-to-device input copies
+        self._staging: collections.deque = collections.deque()  # (event, pinned buffers) of copies in flight
 
     @property
     def xp(self):
@@ -144,6 +147,52 @@ class CudaBackend(Backend):
         ordinal = self._ordinal(device)
         return [v if type(v) is cupy.ndarray and v.device.id == ordinal else self.to_device(v, device)
                 for v in values]
+
+    def prefetch_to_device(self, values, device):
+        """Host batches to `device` through pinned memory on a side stream, so the copy overlaps the step.
+
+        The device buffers come from the device's own stream (allocated after the work queued so far, which
+        the side stream waits for, so reused pool memory is never overwritten early); the device's stream then
+        waits on the copy's event, so kernels that use the batch start only after it has arrived, without the
+        host waiting. Pinned staging buffers stay referenced until their copy has completed.
+        """
+        ordinal = self._ordinal(device)
+        stream, side = self._stream(ordinal), self._side_stream(ordinal)
+        self._release_staging()
+        out, staging = [], []
+        with cupy.cuda.Device(ordinal):
+            with stream:
+                side.wait_event(stream.record(cupy.cuda.Event(disable_timing=True)))
+            for value in values:
+                if _on_gpu(value):
+                    out.append(self.to_device(value, device))
+                    continue
+                host = np.ascontiguousarray(to_numpy(value))
+                with stream:
+                    array = cupy.empty(host.shape, host.dtype)
+                if host.nbytes:
+                    memory = cupy.cuda.alloc_pinned_memory(host.nbytes)
+                    pinned = np.frombuffer(memory, host.dtype, host.size).reshape(host.shape)
+                    pinned[...] = host
+                    array.set(pinned, stream=side)
+                    staging.append(memory)
+                out.append(array)
+            done = side.record(cupy.cuda.Event(disable_timing=True))
+            stream.wait_event(done)
+        self._staging.append((done, staging))
+        return out
+
+    def _side_stream(self, ordinal: int) -> cupy.cuda.Stream:
+        with self._lock:
+            if ordinal not in self._side_streams:
+                with cupy.cuda.Device(ordinal):
+                    self._side_streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
+            return self._side_streams[ordinal]
+
+    def _release_staging(self) -> None:
+        """Drops pinned buffers whose copies have completed, oldest first."""
+        while self._staging and self._staging[0][0].done:
+            self._staging.popleft()
 
     def to_host(self, array: Any) -> np.ndarray:
         if not _on_gpu(array):
