@@ -298,6 +298,19 @@ class DistributedVariable(_ArrayOperators, DistributedValues):
         ctx = context.get_replica_context()
         return ctx is not None and ctx.strategy is self._strategy and getattr(_update_replica, "id", None) is None
 
+    def _write(self, method: str, value: Any):
+        raise NotImplementedError
+
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
+        """Sets the value, following the variable's synchronization and aggregation; returns the variable."""
+        return self._write("assign", value)
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
+        return self._write("assign_add", delta)
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
+        return self._write("assign_sub", delta)
+
     def _update_all(self, method: str, value: Any):
         """Applies `component.method(select_replica(i, value))` to every component (cross-replica)."""
         self._strategy.extended.update(self, lambda component, v: getattr(component, method)(v), args=(value,))
@@ -339,15 +352,6 @@ class MirroredVariable(DistributedVariable):
         ctx = context.get_replica_context()
         ctx.merge_call(_merge_mirrored_write, args=(self, method, value))
         return self
-
-    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign", value)
-
-    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign_add", delta)
-
-    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign_sub", delta)
 
 
 def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str, value: Any) -> None:
@@ -405,15 +409,6 @@ class SyncOnReadVariable(DistributedVariable):
             share = np.asarray(self._strategy.extended.backend.to_host(value)) / len(self._values)
             value = share if self.dtype.kind in "fc" else np.trunc(share).astype(self.dtype)  # 7 over 2 -> 3 + 3
         return self._update_all(method, value)
-
-    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign", value)
-
-    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign_add", delta)
-
-    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign_sub", delta)
 
 
 def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequence[str], initial_value: Any,

@@ -15,6 +15,7 @@ import distrib
 from distrib import InputOptions, InputReplicationMode, PerReplica
 from distrib.backends import get_backend
 from distrib.data import ArraySpec, DistributedDataset, DistributedDatasetsFromFunction, InputWorkers, split_bounds
+from support import DLPackOnly
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -247,19 +248,6 @@ def test_close_stops_the_iterator(strategy):
 
 
 # -- inputs from other libraries -------------------------------------------------------------------------------
-
-
-class DLPackOnly:
-    """An array from another library that exports itself only through DLPack."""
-
-    def __init__(self, array):
-        self._array = array
-
-    def __dlpack__(self, **kwargs):
-        return self._array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._array.__dlpack_device__()
 
 
 class ArrayInterfaceOnly:

@@ -7,6 +7,7 @@ import pytest
 
 from distrib.backends.cpu import BufferPool, CpuBackend, to_numpy
 from distrib.collective.plan import plan_concat_split
+from support import DLPackOnly, overwrite
 
 POOLED = BufferPool.MIN_BYTES // 8 * 2  # float64 elements in a buffer large enough to be pooled
 
@@ -17,29 +18,6 @@ def address(array: np.ndarray) -> int:
 
 def devices(n: int) -> list[str]:
     return [f"CPU:{i}" for i in range(n)]
-
-
-def overwrite(array: np.ndarray, value) -> bool:
-    """Writes `value` into every element; False when the array is read-only (immutable, like a tensor)."""
-    if not array.flags.writeable:
-        with pytest.raises(ValueError):
-            array[...] = value
-        return False
-    array[...] = value
-    return True
-
-
-class DLPackOnly:
-    """An array from another library: reachable only through the DLPack protocol."""
-
-    def __init__(self, array):
-        self._array = array
-
-    def __dlpack__(self, **kwargs):
-        return self._array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._array.__dlpack_device__()
 
 
 # BufferPool

@@ -11,6 +11,7 @@ from distrib.backends.cpu import CpuBackend
 from distrib.collective.cross_device_ops import HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
 from distrib.devices import HOST
 from distrib.options import CommunicationOptions, ReduceOp
+from support import overwrite
 
 OPS = [
     pytest.param(lambda: NcclAllReduce(num_packs=0), id="nccl-packs0"),
@@ -67,16 +68,6 @@ def assert_reduced(op: ReduceOp, result: np.ndarray, components: list[np.ndarray
         np.testing.assert_array_equal(result, want)
     else:
         np.testing.assert_allclose(result, want, rtol=1e-3 if result.dtype == np.float16 else 1e-6)
-
-
-def overwrite(array: np.ndarray, value) -> bool:
-    """Writes `value` into every element; False when the array is read-only (immutable, like a tensor)."""
-    if not array.flags.writeable:
-        with pytest.raises(ValueError):
-            array[...] = value
-        return False
-    array[...] = value
-    return True
 
 
 class CountingCpuBackend(CpuBackend):
