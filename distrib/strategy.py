@@ -18,8 +18,8 @@ from distrib.data import (DistributedDataset, DistributedDatasetsFromFunction, I
 from distrib.devices import HOST, canonical_name
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, InputOptions, ReduceOp, RunOptions
-from distrib.variables import (DistributedVariable, Variable, VariableAggregation, VariableSynchronization,
-                               create_distributed_variable, update_context)
+from distrib.variables import (DistributedVariable, MirroredVariable, Variable, VariableAggregation,
+                               VariableSynchronization, create_distributed_variable, update_context)
 from distrib.values import (DistributedValues, Mirrored, PerReplica, flatten, format_path, map_structure, regroup,
                             select_replica, select_replicas, structure_mismatch, unflatten)
 
@@ -408,9 +408,10 @@ class StrategyExtended:
         all_reduce_ids, all_reduce_values = [], []
         for k, (value, destinations) in enumerate(pairs):
             components = _local_components(value)
-            if isinstance(value, Mirrored) and op is ReduceOp.MEAN:
+            mirrored = isinstance(value, (Mirrored, MirroredVariable))  # TensorFlow's is_mirrored
+            if mirrored and op is ReduceOp.MEAN:
                 results[k] = value
-            elif isinstance(value, Mirrored):
+            elif mirrored:
                 raise ValueError("reduce_to(SUM) of a Mirrored value would count it once per replica; a Mirrored "
                                  "value is already reduced. Reduce the PerReplica value it came from instead.")
             elif components is None:
@@ -466,7 +467,7 @@ class StrategyExtended:
 
     # -- variables --------------------------------------------------------------------------------------
 
-    def _create_variable(self, initial_value: Any, trainable: bool = True, name: str | None = None,
+    def _create_variable(self, initial_value: Any, trainable: bool | None = None, name: str | None = None,
                          synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
                          aggregation: VariableAggregation | str = VariableAggregation.NONE,
                          dtype: Any = None) -> DistributedVariable:
@@ -536,9 +537,10 @@ class StrategyExtended:
             raise TypeError(f"update needs a variable. Received: {type(var).__name__}.")
         kwargs = kwargs or {}
         results = []
-        for i, component in enumerate(components):
-            with update_context(i), self._backend.device_scope(component.device):
-                results.append(fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs)))
+        with self._container_strategy.scope():  # fn sees this strategy, cross-replica, as in TensorFlow
+            for i, component in enumerate(components):
+                with update_context(i), self._backend.device_scope(component.device):
+                    results.append(fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs)))
         return regroup(results, Mirrored if group else PerReplica)
 
     def _input_workers(self) -> InputWorkers:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import numbers
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -106,7 +107,8 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
 
     Args:
       initial_value: an array-like, or a callable returning one (called once).
-      trainable: whether optimizers and `trainable_variables` lists should include it.
+      trainable: whether optimizers and `trainable_variables` lists should include it; default True, and False
+        for `synchronization=ON_READ` (which cannot be trainable).
       name: a name, used in checkpoints and error messages.
       synchronization: a `VariableSynchronization` (distributed variables only).
       aggregation: a `VariableAggregation`: how replica-context writes combine (distributed variables only).
@@ -119,7 +121,7 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
       array([1., 1., 1.], dtype=float32)
     """
 
-    def __init__(self, initial_value: Any, trainable: bool = True, name: str | None = None,
+    def __init__(self, initial_value: Any, trainable: bool | None = None, name: str | None = None,
                  synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
                  aggregation: VariableAggregation | str = VariableAggregation.NONE, dtype: Any = None, *,
                  device: str = "CPU:0", backend: Backend | None = None):
@@ -135,7 +137,7 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
         if value.dtype.kind in "OSUV":
             raise TypeError(f"A variable holds a numeric array. Received: dtype {value.dtype}.")
         self._buffer = self._own(value)
-        self.trainable = bool(trainable)
+        self.trainable = True if trainable is None else bool(trainable)
         self._name = name or "Variable"
         self._distributed_container: weakref.ref | None = None
 
@@ -354,6 +356,11 @@ class MirroredVariable(DistributedVariable):
         return self
 
 
+def _is_number_zero(value: Any) -> bool:
+    """A Python or NumPy scalar 0: reduce_to passes it through, so every replica writing 0 is fine with SUM."""
+    return isinstance(value, numbers.Number) and not isinstance(value, (bool, np.bool_)) and value == 0
+
+
 def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str, value: Any) -> None:
     """Cross-replica half of a replica-context write: combine the replicas' values, then update every copy."""
     aggregation = variable.aggregation
@@ -364,7 +371,7 @@ def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str
             raise ValueError(f"Cannot update non-float variable {variable.name!r} with aggregation MEAN: the mean "
                              f"of its replicas' values is not an integer.")
         value = strategy.extended.reduce_to(aggregation.name, value, destinations=variable)
-    elif aggregation is VariableAggregation.SUM and strategy.num_replicas_in_sync > 1:
+    elif aggregation is VariableAggregation.SUM and strategy.num_replicas_in_sync > 1 and not _is_number_zero(value):
         raise ValueError(f"A value that is the same object on every replica cannot be SUM-aggregated into "
                          f"{variable.name!r}: it would be counted {strategy.num_replicas_in_sync} times. Pass a "
                          f"per-replica value, or use aggregation MEAN or ONLY_FIRST_REPLICA.")
@@ -392,7 +399,10 @@ class SyncOnReadVariable(DistributedVariable):
             raise ValueError(f"A SyncOnReadVariable with aggregation NONE has no cross-replica value "
                              f"({self._name!r}); read it inside strategy.run, or give it an aggregation.")
         with self._strategy.scope():
-            return self._strategy.reduce(self._aggregation.name, self, axis=None)
+            total = self._strategy.reduce(self._aggregation.name, self, axis=None)
+        if isinstance(total, np.ndarray):  # read-only like every other read
+            total.flags.writeable = False
+        return total
 
     def numpy(self) -> np.ndarray:
         return np.array(self._strategy.extended.backend.to_host(self.read_value()), copy=True)
@@ -412,7 +422,7 @@ class SyncOnReadVariable(DistributedVariable):
 
 
 def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequence[str], initial_value: Any,
-                                trainable: bool = True, name: str | None = None,
+                                trainable: bool | None = None, name: str | None = None,
                                 synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
                                 aggregation: VariableAggregation | str = VariableAggregation.NONE,
                                 dtype: Any = None) -> DistributedVariable:
@@ -422,6 +432,12 @@ def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequen
     if synchronization is VariableSynchronization.NONE:
         raise ValueError("synchronization=NONE is not supported for distributed variables; use AUTO, ON_WRITE "
                          "or ON_READ.")
+    on_read = synchronization is VariableSynchronization.ON_READ
+    if trainable is None:
+        trainable = not on_read
+    elif trainable and on_read:
+        raise ValueError("synchronization=ON_READ is only for non-trainable variables (such as metrics): its "
+                         "copies diverge, so gradients could not keep them in sync. Pass trainable=False.")
     if callable(initial_value):
         initial_value = initial_value()  # once: every replica starts from the same value
     primary = Variable.__new__(Variable)

@@ -1,0 +1,817 @@
+"""Variables on four emulated CPU replicas: creation, the write rules of every aggregation in every context, reads,
+copy on write, extended.update, colocate_vars_with, regroup, and reductions of variables.
+
+The rules are TensorFlow's (values.py, values_util.py; section 4 of semantics.md). A few cells are also checked
+against TensorFlow's own output by the conformance cases; these tests walk every cell.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import distrib
+from distrib import (Mirrored, MirroredVariable, PerReplica, SyncOnReadVariable, Variable, VariableAggregation,
+                     VariableSynchronization)
+
+pytestmark = pytest.mark.timeout(30)
+
+DEVICES = ("CPU:0", "CPU:1", "CPU:2", "CPU:3")
+NONE, SUM, MEAN, FIRST = (VariableAggregation.NONE, VariableAggregation.SUM, VariableAggregation.MEAN,
+                          VariableAggregation.ONLY_FIRST_REPLICA)
+ALL_AGGREGATIONS = [NONE, SUM, MEAN, FIRST]
+ON_READ = VariableSynchronization.ON_READ
+WRITES = ["assign", "assign_add", "assign_sub"]
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return distrib.MirroredStrategy(list(DEVICES))
+
+
+@pytest.fixture(scope="module")
+def two_replicas():
+    return distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+
+
+def replica_id() -> int:
+    return distrib.get_replica_context().replica_id_in_sync_group
+
+
+def mirrored(strategy, value=10.0, aggregation=NONE, dtype=np.float32):
+    with strategy.scope():
+        return distrib.Variable(np.asarray(value, dtype), aggregation=aggregation)
+
+
+def sync_on_read(strategy, value=0.0, aggregation=SUM, dtype=np.float32):
+    with strategy.scope():
+        return distrib.Variable(np.asarray(value, dtype), synchronization=ON_READ, aggregation=aggregation)
+
+
+def copies(variable) -> list:
+    """Every component's current value, in replica order (read directly, without aggregation)."""
+    return [component.numpy().tolist() for component in variable.values]
+
+
+def replica_reads(strategy, variable) -> list:
+    """What each replica reads inside strategy.run."""
+    return [np.asarray(x).tolist() for x in strategy.experimental_local_results(strategy.run(variable.read_value))]
+
+
+def set_copies(strategy, variable, values) -> None:
+    """Gives replica i's copy values[i] (a replica-context assign: local only for NONE and for SyncOnRead)."""
+    strategy.run(lambda: variable.assign(np.float32(values[replica_id()])))
+
+
+def address(array) -> int:
+    return array.__array_interface__["data"][0]
+
+
+# -- creation ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("synchronization", ["AUTO", "ON_WRITE"])
+def test_variable_under_scope_is_a_mirrored_variable(strategy, synchronization):
+    with strategy.scope():
+        v = distrib.Variable(np.float32(1), synchronization=synchronization)
+    assert type(v) is MirroredVariable
+    assert isinstance(v, distrib.DistributedVariable)
+    assert v.synchronization is VariableSynchronization.ON_WRITE
+    assert v.aggregation is NONE
+
+
+def test_on_read_variable_under_scope_is_a_sync_on_read_variable(strategy):
+    with strategy.scope():
+        v = distrib.Variable(np.float32(1), synchronization=ON_READ, aggregation=SUM)
+    assert type(v) is SyncOnReadVariable
+    assert v.synchronization is ON_READ
+    assert v.aggregation is SUM
+
+
+def test_variable_outside_any_scope_is_a_plain_variable():
+    v = distrib.Variable(np.float32(1), aggregation=SUM)
+    assert type(v) is Variable
+    assert v.device == "CPU:0"
+    assert v.assign_add(np.float32(2)).numpy() == 3.0
+
+
+def test_synchronization_none_is_rejected_under_scope(strategy):
+    with strategy.scope(), pytest.raises(ValueError, match="synchronization=NONE"):
+        distrib.Variable(np.float32(1), synchronization=VariableSynchronization.NONE)
+
+
+@pytest.mark.parametrize("synchronization", ["ON_WRITE", "ON_READ"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.bool_])
+def test_mean_aggregation_needs_a_float_dtype(strategy, synchronization, dtype):
+    with strategy.scope(), pytest.raises(ValueError, match="MEAN needs a floating-point"):
+        distrib.Variable(np.zeros(2, dtype), synchronization=synchronization, aggregation=MEAN)
+
+
+def test_integer_variables_accept_sum_and_only_first_replica(strategy):
+    assert mirrored(strategy, 1, SUM, np.int32).dtype == np.int32
+    assert mirrored(strategy, 1, FIRST, np.int64).dtype == np.int64
+
+
+def test_enum_arguments_accept_strings_in_any_case(strategy):
+    with strategy.scope():
+        v = distrib.Variable(np.float32(0), synchronization="on_read", aggregation="Mean")
+    assert type(v) is SyncOnReadVariable
+    assert v.aggregation is MEAN
+
+
+@pytest.mark.parametrize("argument", ["synchronization", "aggregation"])
+def test_unknown_enum_strings_are_rejected(strategy, argument):
+    with strategy.scope(), pytest.raises(ValueError, match=f"{argument} must be one of"):
+        distrib.Variable(np.float32(0), **{argument: "sometimes"})
+
+
+def test_callable_initial_value_is_called_once_and_every_replica_starts_equal(strategy):
+    rng = np.random.default_rng(0)
+    calls = []
+
+    def init():
+        calls.append(1)
+        return rng.standard_normal(3).astype(np.float32)
+
+    with strategy.scope():
+        v = distrib.Variable(init)
+    assert len(calls) == 1
+    first = v.values[0].numpy()
+    for component in v.values:
+        np.testing.assert_array_equal(component.numpy(), first)
+
+
+def test_replicas_start_as_independent_copies(strategy):
+    v = mirrored(strategy, [1.0, 2.0])
+    assert len({address(c.read_value()) for c in v.values}) == 4  # four buffers, not one shared
+
+
+def test_components_are_named_after_the_variable_and_placed_on_the_strategys_devices(strategy):
+    with strategy.scope():
+        v = distrib.Variable(np.float32(0), name="bias")
+    assert v.name == "bias"
+    assert [c.name for c in v.values] == ["bias/replica_0", "bias/replica_1", "bias/replica_2", "bias/replica_3"]
+    assert v.devices == DEVICES == strategy.extended.worker_devices
+    assert tuple(c.device for c in v.values) == DEVICES
+    assert all(type(c) is Variable for c in v.values)
+
+
+def test_default_name_is_variable(strategy):
+    v = mirrored(strategy)
+    assert v.name == "Variable"
+    assert v.values[2].name == "Variable/replica_2"
+
+
+def test_creating_a_variable_inside_strategy_run_raises_runtime_error(strategy):
+    with pytest.raises(RuntimeError, match="cross-replica context"):
+        strategy.run(lambda: distrib.Variable(np.float32(0)))
+
+
+def test_trainable_shape_dtype_and_name(strategy):
+    with strategy.scope():
+        w = distrib.Variable(np.zeros((2, 3)), name="w", dtype=np.float32)
+        step = distrib.Variable(np.int64(0), name="step", trainable=False)
+    assert (w.trainable, w.shape, w.dtype, w.name) == (True, (2, 3), np.float32, "w")
+    assert (step.trainable, step.shape, step.dtype) == (False, (), np.int64)
+    assert [c.trainable for c in step.values] == [False] * 4
+    assert all(c.dtype == np.float32 and c.shape == (2, 3) for c in w.values)
+
+
+def test_numpy_and_array_conversion_give_host_copies(strategy):
+    v = mirrored(strategy, [1.0, 2.0])
+    host = v.numpy()
+    assert isinstance(host, np.ndarray) and host.dtype == np.float32
+    host[0] = 99.0  # a private copy: the variable is unchanged
+    assert copies(v) == [[1.0, 2.0]] * 4
+    assert np.asarray(v, dtype=np.float64).dtype == np.float64
+    assert np.asarray(v).tolist() == [1.0, 2.0]
+
+
+def test_arithmetic_operators_use_the_current_value(strategy):
+    v = mirrored(strategy, [2.0, 4.0])
+    assert (v + 1).tolist() == [3.0, 5.0]
+    assert (1 + v).tolist() == [3.0, 5.0]
+    assert (v - 1).tolist() == [1.0, 3.0]
+    assert (10 - v).tolist() == [8.0, 6.0]
+    assert (v * 2).tolist() == [4.0, 8.0]
+    assert (2 * v).tolist() == [4.0, 8.0]
+    assert (v / 2).tolist() == [1.0, 2.0]
+    assert (8 / v).tolist() == [4.0, 2.0]
+    assert (-v).tolist() == [-2.0, -4.0]
+    assert float(v @ np.array([1.0, 1.0], np.float32)) == 6.0
+    assert float(np.array([1.0, 0.0], np.float32) @ v) == 2.0
+    assert float(v[1]) == 4.0
+    out = strategy.run(lambda: v * (replica_id() + 1))  # in a replica: the local copy
+    assert [x.tolist() for x in strategy.experimental_local_results(out)] == [
+        [2.0, 4.0], [4.0, 8.0], [6.0, 12.0], [8.0, 16.0]]
+
+
+def test_repr_names_the_class_shape_dtype_and_devices(strategy):
+    with strategy.scope():
+        v = distrib.Variable(np.zeros(3, np.float32), name="w")
+        s = distrib.Variable(np.int32(0), name="n", synchronization=ON_READ, aggregation=SUM)
+    assert repr(v) == ("<MirroredVariable 'w' shape=(3,) dtype=float32 "
+                       "devices=('CPU:0', 'CPU:1', 'CPU:2', 'CPU:3')>")
+    assert repr(s).startswith("<SyncOnReadVariable 'n' shape=() dtype=int32 devices=")
+    assert repr(v.values[1]) == "<Variable 'w/replica_1' shape=(3,) dtype=float32 device=CPU:1>"
+
+
+def test_plain_variable_writes_check_shape_and_dtype():
+    v = distrib.Variable(np.zeros((2, 2), np.float32))
+    v.assign(np.ones(2, np.float32))  # broadcasts along the leading axis
+    assert v.numpy().tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
+        v.assign(np.ones(3, np.float32))
+    counter = distrib.Variable(np.int32(0))
+    with pytest.raises(TypeError, match="cannot write dtype float64"):
+        counter.assign_add(0.5)
+
+
+# -- MirroredVariable ------------------------------------------------------------------------------------------
+# Starting from 10 on every copy, replica r writes r + 1 (1, 2, 3, 4 on the four replicas).
+
+MIRRORED_REPLICA_WRITES = [
+    # NONE: no aggregation, so each replica changes only its own copy
+    (NONE, "assign", [1.0, 2.0, 3.0, 4.0]),
+    (NONE, "assign_add", [11.0, 12.0, 13.0, 14.0]),
+    (NONE, "assign_sub", [9.0, 8.0, 7.0, 6.0]),
+    # SUM: 1 + 2 + 3 + 4 = 10 applied to every copy
+    (SUM, "assign", [10.0] * 4),
+    (SUM, "assign_add", [20.0] * 4),
+    (SUM, "assign_sub", [0.0] * 4),
+    # MEAN: (1 + 2 + 3 + 4) / 4 = 2.5 applied to every copy
+    (MEAN, "assign", [2.5] * 4),
+    (MEAN, "assign_add", [12.5] * 4),
+    (MEAN, "assign_sub", [7.5] * 4),
+    # ONLY_FIRST_REPLICA: replica 0's value (1) applied to every copy
+    (FIRST, "assign", [1.0] * 4),
+    (FIRST, "assign_add", [11.0] * 4),
+    (FIRST, "assign_sub", [9.0] * 4),
+]
+
+
+@pytest.mark.parametrize("aggregation, method, expected", MIRRORED_REPLICA_WRITES,
+                         ids=[f"{a.name}-{m}" for a, m, _ in MIRRORED_REPLICA_WRITES])
+def test_mirrored_variable_write_in_replica_context(strategy, aggregation, method, expected):
+    v = mirrored(strategy, 10.0, aggregation)
+    strategy.run(lambda: getattr(v, method)(np.float32(replica_id() + 1)))
+    assert copies(v) == expected
+    assert replica_reads(strategy, v) == expected
+
+
+@pytest.mark.parametrize("method, expected", [("assign", 3.0), ("assign_add", 13.0), ("assign_sub", 7.0)])
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS, ids=lambda a: a.name)
+def test_mirrored_variable_write_in_cross_replica_context_sets_every_copy(strategy, aggregation, method, expected):
+    v = mirrored(strategy, 10.0, aggregation)
+    with strategy.scope():
+        assert getattr(v, method)(np.float32(3)) is v
+    assert copies(v) == [expected] * 4
+
+
+def test_mirrored_variable_write_outside_any_scope_is_cross_replica(strategy):
+    v = mirrored(strategy, 10.0, SUM)
+    v.assign_add(1.0)
+    assert copies(v) == [11.0] * 4
+
+
+def test_mean_assign_add_of_1_2_3_4_adds_2_5_to_every_copy(strategy):
+    v = mirrored(strategy, [0.0, 100.0], MEAN)
+    strategy.run(lambda: v.assign_add(np.full(2, replica_id() + 1, np.float32)))
+    assert copies(v) == [[2.5, 102.5]] * 4
+
+
+def test_replica_context_write_returns_the_variable(strategy):
+    v = mirrored(strategy, 0.0, SUM)
+    assert strategy.run(lambda: v.assign_add(np.float32(1))) is v
+
+
+def test_sum_of_the_same_object_on_every_replica_raises(strategy):
+    v = mirrored(strategy, 10.0, SUM)
+    step = np.float32(1)  # one object, seen by all four replicas: it would be counted four times
+    with pytest.raises(ValueError, match="counted 4 times"):
+        strategy.run(lambda: v.assign_add(step))
+    assert copies(v) == [10.0] * 4
+
+
+def test_sum_of_zero_on_every_replica_is_allowed(strategy):
+    v = mirrored(strategy, 10.0, SUM)
+    strategy.run(lambda: v.assign(0.0))  # reduce_to passes a Python 0 through, as in TensorFlow
+    assert copies(v) == [0.0] * 4
+
+
+def test_same_object_sum_on_one_replica_is_applied_as_is():
+    one = distrib.MirroredStrategy(["CPU:0"])
+    with one.scope():
+        v = distrib.Variable(np.float32(10), aggregation=SUM)
+    one.run(lambda: v.assign_add(np.float32(2)))
+    assert copies(v) == [12.0]
+
+
+@pytest.mark.parametrize("aggregation", [MEAN, FIRST], ids=lambda a: a.name)
+def test_same_object_with_mean_or_only_first_replica_is_applied_once(strategy, aggregation):
+    v = mirrored(strategy, 10.0, aggregation)
+    step = np.float32(1)
+    strategy.run(lambda: v.assign_add(step))
+    assert copies(v) == [11.0] * 4
+
+
+def test_only_first_replica_ignores_the_other_replicas_values(strategy):
+    v = mirrored(strategy, [0.0, 0.0], FIRST)
+    strategy.run(lambda: v.assign(np.array([replica_id(), -replica_id()], np.float32) + 5))
+    assert copies(v) == [[5.0, 5.0]] * 4
+
+
+def test_none_aggregation_lets_copies_diverge_and_cross_replica_reads_see_replica_0(strategy):
+    v = mirrored(strategy, 0.0, NONE)
+    set_copies(strategy, v, [1.0, 2.0, 3.0, 4.0])
+    assert replica_reads(strategy, v) == [1.0, 2.0, 3.0, 4.0]
+    assert float(v.read_value()) == 1.0
+    assert float(v.numpy()) == 1.0
+
+
+def test_cross_replica_assign_of_a_per_replica_value_raises(strategy):
+    v = mirrored(strategy, 10.0, SUM)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group))
+    with strategy.scope(), pytest.raises(ValueError, match="PerReplica"):
+        v.assign(values)
+    assert copies(v) == [10.0] * 4
+
+
+@pytest.mark.parametrize("method, expected", [("assign", [1.0, 2.0, 3.0, 4.0]),
+                                              ("assign_add", [11.0, 12.0, 13.0, 14.0]),
+                                              ("assign_sub", [9.0, 8.0, 7.0, 6.0])])
+def test_cross_replica_write_of_a_mirrored_value_uses_each_component(strategy, method, expected):
+    v = mirrored(strategy, 10.0, MEAN)
+    getattr(v, method)(Mirrored([np.float32(i + 1) for i in range(4)]))
+    assert copies(v) == expected
+
+
+def test_cross_replica_assign_from_another_variable_reads_its_value(strategy):
+    source = mirrored(strategy, [1.0, 2.0])
+    v = mirrored(strategy, [0.0, 0.0], SUM)
+    v.assign(source)
+    assert copies(v) == [[1.0, 2.0]] * 4
+
+
+def integer_mean_variable(strategy):
+    """An int32 MirroredVariable with aggregation MEAN, built directly (creating one through scope() raises)."""
+    components = [distrib.Variable(np.int32(10), name=f"count/replica_{i}", device=d) for i, d in enumerate(DEVICES)]
+    return MirroredVariable(strategy, components, MEAN, "count", trainable=False)
+
+
+def test_non_float_mean_with_per_replica_values_raises(strategy):
+    v = integer_mean_variable(strategy)
+    with pytest.raises(ValueError, match="non-float"):
+        strategy.run(lambda: v.assign_add(np.int32(replica_id())))
+    assert copies(v) == [10] * 4
+
+
+def test_non_float_mean_with_the_same_object_everywhere_is_applied_as_is(strategy):
+    v = integer_mean_variable(strategy)
+    step = np.int32(3)
+    strategy.run(lambda: v.assign_add(step))
+    assert copies(v) == [13] * 4
+
+
+# -- SyncOnReadVariable ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method, expected", [("assign", [1.0, 2.0, 3.0, 4.0]),
+                                              ("assign_add", [11.0, 12.0, 13.0, 14.0]),
+                                              ("assign_sub", [9.0, 8.0, 7.0, 6.0])])
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS, ids=lambda a: a.name)
+def test_sync_on_read_write_in_replica_context_changes_only_the_local_copy(strategy, aggregation, method,
+                                                                            expected):
+    v = sync_on_read(strategy, 10.0, aggregation)
+    strategy.run(lambda: getattr(v, method)(np.float32(replica_id() + 1)))
+    assert copies(v) == expected
+
+
+@pytest.mark.parametrize("aggregation, expected", [(SUM, [1.5] * 4), (MEAN, [6.0] * 4), (FIRST, [6.0] * 4),
+                                                   (NONE, [6.0] * 4)], ids=["SUM", "MEAN", "FIRST", "NONE"])
+def test_sync_on_read_cross_replica_assign(strategy, aggregation, expected):
+    v = sync_on_read(strategy, 0.0, aggregation)
+    v.assign(np.float32(6))  # SUM stores 6 / 4 per copy so that the sum reads back as 6
+    assert copies(v) == expected
+    if aggregation is not NONE:
+        assert float(v.read_value()) == 6.0
+
+
+def test_sync_on_read_cross_replica_assign_of_an_integer_sum_truncates(two_replicas):
+    v = sync_on_read(two_replicas, 0, SUM, np.int32)
+    v.assign(7)  # 7 / 2 = 3.5 -> 3 on each copy
+    assert copies(v) == [3, 3]
+    assert v.read_value().tolist() == 6 and v.read_value().dtype == np.int32
+    v.assign(-7)  # truncation is toward zero
+    assert copies(v) == [-3, -3]
+
+
+@pytest.mark.parametrize("method", ["assign_add", "assign_sub"])
+def test_sync_on_read_cross_replica_add_or_sub_with_sum_raises(strategy, method):
+    v = sync_on_read(strategy, 1.0, SUM)
+    with pytest.raises(ValueError, match=f"does not support {method}"):
+        getattr(v, method)(np.float32(1))
+    assert copies(v) == [1.0] * 4
+
+
+@pytest.mark.parametrize("method, expected", [("assign_add", [3.0, 4.0, 5.0, 6.0]),
+                                              ("assign_sub", [-1.0, 0.0, 1.0, 2.0])])
+@pytest.mark.parametrize("aggregation", [MEAN, FIRST, NONE], ids=lambda a: a.name)
+def test_sync_on_read_cross_replica_add_or_sub_changes_every_copy(strategy, aggregation, method, expected):
+    v = sync_on_read(strategy, 0.0, aggregation)
+    set_copies(strategy, v, [1.0, 2.0, 3.0, 4.0])
+    getattr(v, method)(np.float32(2))
+    assert copies(v) == expected
+
+
+@pytest.mark.parametrize("aggregation, expected", [(SUM, 10.0), (MEAN, 2.5), (FIRST, 1.0)],
+                         ids=["SUM", "MEAN", "FIRST"])
+def test_sync_on_read_cross_replica_read_aggregates(strategy, aggregation, expected):
+    v = sync_on_read(strategy, 0.0, aggregation)
+    set_copies(strategy, v, [1.0, 2.0, 3.0, 4.0])
+    for read in (v.read_value(), v.value(), v.numpy(), np.asarray(v)):
+        assert float(read) == expected
+        assert read.dtype == np.float32
+    assert copies(v) == [1.0, 2.0, 3.0, 4.0]  # reading does not write
+
+
+def test_sync_on_read_cross_replica_read_with_no_aggregation_raises(strategy):
+    v = sync_on_read(strategy, 0.0, NONE)
+    with pytest.raises(ValueError, match="aggregation NONE has no cross-replica value"):
+        v.read_value()
+    with pytest.raises(ValueError):
+        v.numpy()
+
+
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS, ids=lambda a: a.name)
+def test_sync_on_read_replica_reads_are_local(strategy, aggregation):
+    v = sync_on_read(strategy, 0.0, aggregation)
+    set_copies(strategy, v, [1.0, 2.0, 3.0, 4.0])
+    assert replica_reads(strategy, v) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_sync_on_read_metric_pattern(strategy):
+    """Each replica counts its own examples; the cross-replica read is the total."""
+    with strategy.scope():
+        seen = distrib.Variable(np.int64(0), synchronization="ON_READ", aggregation="SUM", trainable=False)
+    for _ in range(3):
+        strategy.run(lambda: seen.assign_add(np.int64(replica_id() + 1)))
+    assert copies(seen) == [3, 6, 9, 12]
+    assert int(seen.read_value()) == 30
+
+
+# -- reads are copy-on-write safe --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", WRITES)
+def test_a_cross_replica_read_never_changes_after_later_writes(strategy, method):
+    v = mirrored(strategy, [1.0, 2.0], MEAN)
+    before = v.read_value()
+    getattr(v, method)(np.array([5.0, 5.0], np.float32))
+    strategy.run(lambda: getattr(v, method)(np.float32(replica_id())))
+    assert before.tolist() == [1.0, 2.0]
+    assert copies(v)[0] != [1.0, 2.0]
+
+
+def test_values_returned_by_run_never_change_after_later_writes(strategy):
+    v = mirrored(strategy, 1.0, SUM)
+    reads = strategy.run(v.read_value)
+    v.assign(np.float32(7))
+    strategy.run(lambda: v.assign_add(np.float32(1)))
+    assert [float(x) for x in strategy.experimental_local_results(reads)] == [1.0] * 4
+    assert copies(v) == [11.0] * 4
+
+
+def test_a_read_inside_a_replica_survives_that_replicas_own_writes(strategy):
+    v = mirrored(strategy, 1.0, NONE)
+
+    def step():
+        before = v.read_value()
+        v.assign_add(np.float32(10))
+        return before, v.read_value()
+
+    before, after = strategy.run(step)
+    assert [float(x) for x in strategy.experimental_local_results(before)] == [1.0] * 4
+    assert [float(x) for x in strategy.experimental_local_results(after)] == [11.0] * 4
+
+
+def test_a_slice_of_a_read_is_protected_too(strategy):
+    v = mirrored(strategy, [1.0, 2.0, 3.0])
+    tail = v.read_value()[1:]  # the read itself is gone; its slice still points into the buffer
+    v.assign(np.zeros(3, np.float32))
+    assert tail.tolist() == [2.0, 3.0]
+
+
+def test_sync_on_read_reads_never_change_after_later_writes(strategy):
+    v = sync_on_read(strategy, 0.0, SUM)
+    set_copies(strategy, v, [1.0, 2.0, 3.0, 4.0])
+    total = v.read_value()
+    local = strategy.run(v.read_value)
+    strategy.run(lambda: v.assign_add(np.float32(100)))
+    assert float(total) == 10.0
+    assert [float(x) for x in strategy.experimental_local_results(local)] == [1.0, 2.0, 3.0, 4.0]
+
+
+def read_only_reads(strategy):
+    plain = distrib.Variable(np.zeros(2, np.float32))
+    m = mirrored(strategy, [0.0, 0.0], SUM)
+    s = sync_on_read(strategy, [0.0, 0.0], SUM)
+    first = sync_on_read(strategy, [0.0, 0.0], FIRST)
+    return {
+        "plain": plain.read_value(),
+        "mirrored cross-replica": m.read_value(),
+        "mirrored in a replica": strategy.experimental_local_results(strategy.run(m.read_value))[2],
+        "sync-on-read SUM cross-replica": s.read_value(),
+        "sync-on-read ONLY_FIRST_REPLICA cross-replica": first.read_value(),
+        "sync-on-read in a replica": strategy.experimental_local_results(strategy.run(s.read_value))[1],
+        "component": m.values[3].read_value(),
+    }
+
+
+@pytest.mark.parametrize("kind", ["plain", "mirrored cross-replica", "mirrored in a replica",
+                                  "sync-on-read SUM cross-replica", "sync-on-read ONLY_FIRST_REPLICA cross-replica",
+                                  "sync-on-read in a replica", "component"])
+def test_reads_are_read_only(strategy, kind):
+    read = read_only_reads(strategy)[kind]
+    with pytest.raises(ValueError, match="read-only"):
+        read[0] = 1.0
+    with pytest.raises(ValueError, match="read-only"):
+        read += 1
+
+
+def test_writes_are_in_place_when_no_read_is_alive():
+    v = distrib.Variable(np.zeros(4, np.float32))
+    start = address(v.read_value())  # this read dies at once
+    v.assign_add(np.ones(4, np.float32))
+    v.assign(np.full(4, 3.0, np.float32))
+    v.assign_sub(np.ones(4, np.float32))
+    after = v.read_value()
+    assert address(after) == start
+    assert after.tolist() == [2.0] * 4
+
+
+def test_a_live_read_moves_the_next_write_to_a_fresh_buffer():
+    v = distrib.Variable(np.zeros(4, np.float32))
+    held = v.read_value()
+    v.assign_add(np.ones(4, np.float32))
+    moved = address(v.read_value())
+    assert moved != address(held)
+    assert held.tolist() == [0.0] * 4
+    del held  # no read alive any more: the next write stays in the new buffer
+    v.assign_add(np.ones(4, np.float32))
+    assert address(v.read_value()) == moved
+
+
+def test_distributed_writes_are_in_place_per_component(strategy):
+    v = mirrored(strategy, np.zeros(4), SUM)
+    start = [address(c.read_value()) for c in v.values]
+    v.assign_add(np.ones(4, np.float32))
+    strategy.run(lambda: v.assign_add(np.ones(4, np.float32) * replica_id()))
+    assert [address(c.read_value()) for c in v.values] == start
+    held = v.values[1].read_value()  # only replica 1's copy has a live read
+    v.assign(np.zeros(4, np.float32))
+    now = [address(c.read_value()) for c in v.values]
+    assert now[0] == start[0] and now[2:] == start[2:] and now[1] != start[1]
+    assert held.tolist() == [7.0] * 4
+
+
+# -- extended.update -----------------------------------------------------------------------------------------
+
+
+def test_update_runs_fn_once_per_component_on_its_device(strategy):
+    v = mirrored(strategy, 1.0)
+    calls = []
+
+    def fn(component):
+        calls.append((component.name, component.device, distrib.get_strategy() is strategy,
+                      distrib.in_cross_replica_context()))
+        return component.assign_add(np.float32(1))
+
+    strategy.extended.update(v, fn)  # outside any scope: update enters the strategy's scope for fn
+    assert calls == [(f"Variable/replica_{i}", d, True, True) for i, d in enumerate(DEVICES)]
+    assert copies(v) == [2.0] * 4
+
+
+def test_update_unwraps_mirrored_per_replica_and_plain_arguments_per_component(strategy):
+    v = mirrored(strategy, 0.0)
+    mirrored_arg = Mirrored([np.float32(10 * (i + 1)) for i in range(4)])
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(100 * (ctx.replica_id_in_sync_group + 1)))
+    plain = np.float32(1000)
+    seen = []
+
+    def fn(component, a, b, c, *, d):
+        seen.append((float(a), float(b), float(c), float(d)))
+        return component.assign(a + b + c + d)
+
+    strategy.extended.update(v, fn, args=(mirrored_arg, per_replica, plain), kwargs={"d": per_replica})
+    assert seen == [(10 * k, 100 * k, 1000.0, 100 * k) for k in (1.0, 2.0, 3.0, 4.0)]
+    assert copies(v) == [1210.0, 1420.0, 1630.0, 1840.0]
+
+
+def test_update_passes_other_distributed_variables_whole_and_they_read_their_ith_component(strategy):
+    v = mirrored(strategy, 1.0)
+    scale = sync_on_read(strategy, 0.0, SUM)
+    set_copies(strategy, scale, [1.0, 2.0, 3.0, 4.0])
+
+    def fn(component, other):
+        assert other is scale  # not unwrapped: reading it inside fn gives this component's copy
+        return component.assign(component.read_value() * other.read_value())
+
+    strategy.extended.update(v, fn, args=(scale,))
+    assert copies(v) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_update_with_group_returns_the_variable_when_fn_returns_its_components(strategy):
+    v = mirrored(strategy, 1.0)
+    assert strategy.extended.update(v, lambda c: c.assign_add(np.float32(1))) is v
+    assert strategy.extended.update(v, lambda c: c.assign_add(np.float32(1)), group=True) is v
+
+
+def test_update_with_group_returns_a_mirrored_of_array_results(strategy):
+    v = mirrored(strategy, 2.0)
+    out = strategy.extended.update(v, lambda c: c.read_value() * 3, group=True)
+    assert type(out) is Mirrored
+    assert [float(x) for x in out.values] == [6.0] * 4
+
+
+def test_update_without_group_returns_per_replica_results(strategy):
+    v = mirrored(strategy, 0.0)
+    out = strategy.extended.update(v, lambda c: np.float32(v.values.index(c)), group=False)
+    assert type(out) is PerReplica
+    assert [float(x) for x in out.values] == [0.0, 1.0, 2.0, 3.0]
+    results = strategy.extended.update(v, lambda c: c.assign_add(np.float32(1)), group=False)
+    assert strategy.experimental_local_results(results) == v.values
+
+
+def test_update_from_replica_context_goes_through_merge_call(strategy):
+    v = mirrored(strategy, 0.0)
+    calls = []
+
+    def fn(component, x):
+        calls.append((component.name, float(x), threading.current_thread() is threading.main_thread(),
+                      distrib.in_cross_replica_context()))
+        return component.assign_add(x)
+
+    out = strategy.run(lambda: strategy.extended.update(v, fn, args=(np.float32(replica_id() + 1),)))
+    assert out is v
+    # four calls in all (not four per replica), on the calling thread, cross-replica; x regrouped per component
+    assert calls == [(f"Variable/replica_{i}", i + 1.0, True, True) for i in range(4)]
+    assert copies(v) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_update_from_replica_context_gives_each_replica_its_result(strategy):
+    v = mirrored(strategy, 5.0)
+    out = strategy.run(lambda: strategy.extended.update(v, lambda c: c.read_value() + 1))
+    assert [float(x) for x in strategy.experimental_local_results(out)] == [6.0] * 4
+
+
+def test_update_of_a_plain_variable_runs_fn_once(strategy):
+    v = distrib.Variable(np.float32(1))
+    assert strategy.extended.update(v, lambda c, x: c.assign_add(x), args=(np.float32(2),)) is v
+    assert float(v.numpy()) == 3.0
+
+
+def test_update_needs_a_callable_fn(strategy):
+    with pytest.raises(TypeError, match="callable"):
+        strategy.extended.update(mirrored(strategy), "assign_add")
+
+
+def test_update_needs_a_variable(strategy):
+    with pytest.raises(TypeError, match="needs a variable"):
+        strategy.extended.update(np.zeros(2, np.float32), lambda c: c)
+
+
+def test_update_rejects_a_variable_of_another_strategy(strategy, two_replicas):
+    other = mirrored(two_replicas, 1.0)
+    with pytest.raises(ValueError, match="another strategy"):
+        strategy.extended.update(other, lambda c: c.assign_add(np.float32(1)))
+    assert copies(other) == [1.0, 1.0]
+
+
+# -- colocate_vars_with ---------------------------------------------------------------------------------------
+
+
+def test_variables_created_under_colocate_vars_with_share_its_devices(strategy):
+    with strategy.scope():
+        anchor = distrib.Variable(np.zeros(3, np.float32), name="anchor")
+        with strategy.extended.colocate_vars_with(anchor):
+            slot = distrib.Variable(np.float32(0), name="slot")
+            metric = distrib.Variable(np.float32(0), synchronization=ON_READ, aggregation=SUM)
+        after = distrib.Variable(np.float32(0))
+    assert slot.devices == metric.devices == anchor.devices
+    assert [c.device for c in slot.values] == [c.device for c in anchor.values]
+    assert type(metric) is SyncOnReadVariable
+    assert after.devices == DEVICES
+    strategy.extended.update(anchor, lambda a, s: a.assign_add(s.read_value() + 1), args=(slot,))
+    assert copies(anchor) == [[1.0, 1.0, 1.0]] * 4
+
+
+def test_colocate_vars_with_outside_the_scope_raises_runtime_error(strategy):
+    v = mirrored(strategy)
+    with pytest.raises(RuntimeError, match="inside the strategy's scope"):
+        with strategy.extended.colocate_vars_with(v):
+            pass
+
+
+@pytest.mark.parametrize("target", ["array", "plain variable", "other strategy's variable"])
+def test_colocate_vars_with_needs_a_variable_of_this_strategy(strategy, two_replicas, target):
+    value = {"array": lambda: np.zeros(2),
+             "plain variable": lambda: distrib.Variable(np.zeros(2)),
+             "other strategy's variable": lambda: mirrored(two_replicas)}[target]()
+    with strategy.scope(), pytest.raises(ValueError, match="created in this strategy's scope"):
+        with strategy.extended.colocate_vars_with(value):
+            pass
+
+
+# -- regroup: variables and their components -------------------------------------------------------------------
+
+
+def test_run_returning_the_variable_returns_it_itself(strategy):
+    v = mirrored(strategy)
+    assert strategy.run(lambda: v) is v
+    assert strategy.run(lambda: {"v": v, "r": replica_id()})["v"] is v
+
+
+def test_run_returning_each_replicas_component_returns_the_container(strategy):
+    v = sync_on_read(strategy)
+    assert strategy.run(lambda: v.values[replica_id()]) is v
+
+
+def test_a_variable_passed_to_run_reaches_every_replica_whole(strategy):
+    v = mirrored(strategy)
+    out = strategy.run(lambda x: x is v, args=(v,))
+    assert out is True
+
+
+def test_experimental_local_results_of_a_variable_are_its_components(strategy):
+    v = mirrored(strategy, [1.0, 2.0])
+    local = strategy.experimental_local_results(v)
+    assert local == v.values
+    assert [c.name for c in local] == [f"Variable/replica_{i}" for i in range(4)]
+    assert all(isinstance(c, Variable) and c.numpy().tolist() == [1.0, 2.0] for c in local)
+
+
+# -- reductions of variables -----------------------------------------------------------------------------------
+
+
+def test_strategy_reduce_of_a_sync_on_read_variable(strategy):
+    v = sync_on_read(strategy, [0.0, 0.0])
+    strategy.run(lambda: v.assign(np.array([1.0, 10.0], np.float32) * (replica_id() + 1)))
+    assert strategy.reduce("SUM", v, axis=None).tolist() == [10.0, 100.0]
+    assert strategy.reduce("MEAN", v, axis=None).tolist() == [2.5, 25.0]
+    assert float(strategy.reduce("SUM", v, axis=0)) == 110.0  # each copy summed along axis 0, then across
+    assert float(strategy.reduce("MEAN", v, axis=0)) == 13.75  # 110 / 8 elements
+
+
+def test_reduce_to_of_a_sync_on_read_variable(strategy):
+    v = sync_on_read(strategy)
+    set_copies(strategy, v, [1.0, 2.0, 3.0, 4.0])
+    onto_itself = strategy.extended.reduce_to("SUM", v, destinations=v)
+    assert type(onto_itself) is Mirrored
+    assert [float(x) for x in onto_itself.values] == [10.0] * 4
+    onto_one_device = strategy.extended.reduce_to("MEAN", v, destinations="CPU:1")
+    assert [float(x) for x in onto_one_device.values] == [2.5]
+
+
+def test_reduce_of_a_mirrored_variable_with_mean_is_its_value(strategy):
+    v = mirrored(strategy, [1.0, 2.0], SUM)
+    assert strategy.extended.reduce_to("MEAN", v, destinations=v) is v  # already mirrored: returned as is
+    assert strategy.reduce("MEAN", v, axis=None).tolist() == [1.0, 2.0]
+    assert float(strategy.reduce("MEAN", v, axis=0)) == 1.5
+
+
+def test_reduce_of_a_mirrored_variable_with_sum_raises(strategy):
+    v = mirrored(strategy, [1.0, 2.0], SUM)
+    with pytest.raises(ValueError, match="already reduced"):
+        strategy.extended.reduce_to("SUM", v, destinations=v)
+    with pytest.raises(ValueError, match="already reduced"):
+        strategy.reduce("SUM", v, axis=None)
+
+
+def test_merge_fn_reduces_per_replica_updates_onto_a_variable_then_updates_it(strategy):
+    """The pattern an optimizer follows: merge_call, reduce_to onto the variable, extended.update."""
+    v = mirrored(strategy, [1.0, 1.0])
+
+    def apply(strategy_, grad):
+        reduced = strategy_.extended.reduce_to("SUM", grad, destinations=v)
+        return strategy_.extended.update(v, lambda c, g: c.assign_sub(0.5 * g), args=(reduced,))
+
+    def step():
+        grad = np.full(2, replica_id() + 1, np.float32)
+        return distrib.get_replica_context().merge_call(apply, args=(grad,))
+
+    assert strategy.run(step) is v
+    assert copies(v) == [[-4.0, -4.0]] * 4
+
+
+def test_sync_on_read_variables_are_not_trainable_by_default_and_cannot_be(strategy):
+    with strategy.scope():
+        metric = distrib.Variable(np.float32(0), synchronization="ON_READ", aggregation="SUM")
+        assert metric.trainable is False
+        assert distrib.Variable(np.float32(0)).trainable is True
+        with pytest.raises(ValueError, match="synchronization=ON_READ is only for non-trainable variables"):
+            distrib.Variable(np.float32(0), trainable=True, synchronization="ON_READ", aggregation="SUM")
