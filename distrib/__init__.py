@@ -1,6 +1,7 @@
 """distrib: TensorFlow's tf.distribute programming model on CuPy and NCCL, with a NumPy CPU emulator."""
 
-from distrib import errors
+from distrib import errors, optimizers
+from distrib.checkpoint import Checkpoint
 from distrib.collective.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                                  ReductionToOneDevice)
 from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
@@ -18,6 +19,7 @@ from distrib.variables import (DistributedVariable, MirroredVariable, SyncOnRead
 __version__ = "0.1.0"
 
 __all__ = [
+    "Checkpoint",
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
@@ -52,4 +54,5 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "optimizers",
 ]

@@ -7,7 +7,8 @@
         ├── MergeCallMismatchError (+ RuntimeError)  replicas made different numbers of merge_call calls
         ├── ContextError           (+ RuntimeError)  an API called in the wrong (replica/cross-replica) context
         ├── BackendUnavailableError (+ RuntimeError) the requested backend cannot run here
-        └── CollectiveError        (+ RuntimeError)  NCCL or CUDA failed a collective (communicators aborted)
+        ├── CollectiveError        (+ RuntimeError)  NCCL or CUDA failed a collective (communicators aborted)
+        └── CheckpointError        (+ ValueError)    a checkpoint file is damaged, or does not match the objects
 
 Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class derives from the
 builtin a TensorFlow user would catch, so `except ValueError` keeps working.
@@ -65,3 +66,7 @@ class CollectiveError(DistribError, RuntimeError):
         super().__init__(message)
         self.operation = operation
         self.status = status
+
+
+class CheckpointError(DistribError, ValueError):
+    """A checkpoint file is corrupt, truncated or not a checkpoint, or it does not match the objects restored."""

@@ -1,0 +1,377 @@
+"""Checkpoint: variables, optimizer slots and metadata in one checksummed file, saved atomically, restored anywhere."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import secrets
+import weakref
+from typing import Any, Iterator
+
+import numpy as np
+
+from distrib import context
+from distrib.errors import CheckpointError, ContextError
+from distrib.variables import DistributedVariable, MirroredVariable, SyncOnReadVariable, Variable, VariableAggregation
+
+# A file: _MAGIC, the manifest's and the payload's sizes (uint64 little-endian), the JSON manifest, the payload
+# (each array's bytes in C order, at the offset its manifest entry gives), and the SHA-256 of all that.
+FORMAT_VERSION = 1
+_MAGIC = b"distrib-checkpoint\n"
+_SIZES = len(_MAGIC) + 16
+_CHECKSUM = 32
+
+# Saved values of variables their owner (an optimizer) had not created yet: owner -> {name: (key, array)}.
+_DEFERRED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class Checkpoint:
+    """Saves variables, optimizers and small metadata to one file, and restores them under any strategy.
+
+    Keyword arguments name what the checkpoint holds: variables (plain, Mirrored or SyncOnRead), objects with
+    a `variables()` method (optimizers: their iterations and slots, keyed by variable name), other
+    Checkpoints, and dicts or lists of these. Any other argument is metadata: JSON values (numbers, strings,
+    lists, dicts), kept in `metadata`, saved with the variables and updated by `restore` (JSON turns tuples
+    into lists and NumPy scalars into Python numbers).
+
+    Values are saved as TensorFlow saves them: a MirroredVariable its primary copy, a SyncOnReadVariable its
+    aggregate (SUM the sum, MEAN the mean, ONLY_FIRST_REPLICA replica 0's). Restoring assigns them back, so a
+    file written with 4 replicas restores into 2, 1 or no strategy, on either backend; a SyncOnRead SUM
+    variable gets `value / n` on each copy (integers truncate: 7 over 2 replicas is 3 + 3).
+
+    Args:
+      **objects: what to save, by name.
+
+    Attributes:
+      metadata: the metadata, by name (a dict you may change before saving).
+
+    Example:
+      >>> import distrib, numpy as np, os, tempfile
+      >>> w = distrib.Variable(np.arange(3, dtype=np.float32), name="w")
+      >>> ckpt = distrib.Checkpoint(w=w, step=10)
+      >>> path = ckpt.save(os.path.join(tempfile.mkdtemp(), "model.ckpt"))
+      >>> _ = w.assign(np.zeros(3, np.float32))
+      >>> ckpt.metadata["step"] = 0
+      >>> ckpt.restore(path)
+      {'step': 10}
+      >>> w.numpy()
+      array([0., 1., 2.], dtype=float32)
+    """
+
+    def __init__(self, **objects: Any):
+        self._objects: dict[str, Any] = {}
+        self.metadata: dict[str, Any] = {}
+        for name, value in objects.items():
+            if _holds_variables(value):
+                self._objects[name] = value
+            else:
+                _check_metadata(name, value)
+                self.metadata[name] = value
+        self._collect()  # a wrong kind of object, or a key used twice, fails here rather than at save
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Writes every variable and the metadata to the file `path` (parent folders are created); returns it.
+
+        The file is written under a temporary name in the same folder, flushed to disk and renamed onto
+        `path`, so a crash leaves the previous checkpoint intact; an exception leaves no temporary file.
+        """
+        _require_cross_replica("Checkpoint.save")
+        from distrib import __version__
+
+        variables, _, checkpoints = self._collect()
+        for path_, checkpoint in checkpoints.items():
+            for name, value in checkpoint.metadata.items():
+                _check_metadata(f"{path_}/{name}" if path_ else name, value)
+        entries, arrays, offset = [], [], 0
+        for key, (variable, owner, name) in variables.items():
+            array = np.asarray(_saved_value(key, variable), order="C")
+            entries.append({"key": key, "dtype": array.dtype.str, "shape": list(array.shape), "offset": offset,
+                            "nbytes": array.nbytes, "variable": type(variable).__name__,
+                            "aggregation": variable.aggregation.name, "owner": owner, "name": name})
+            arrays.append(array)
+            offset += array.nbytes
+        manifest = {"format": FORMAT_VERSION, "distrib_version": __version__, "entries": entries,
+                    "metadata": {path_: checkpoint.metadata for path_, checkpoint in checkpoints.items()}}
+        _write_atomically(path, _serialize(json.dumps(manifest, default=_json_default).encode(), arrays))
+        return os.fspath(path)
+
+    def restore(self, path: str | os.PathLike, allow_partial: bool = False) -> dict[str, Any]:
+        """Loads the file `path` into the objects; returns `metadata`, updated with the saved values.
+
+        Call it in a cross-replica context (inside or outside `strategy.scope()`). Every saved key must name
+        an object and every object must be saved, with the same shape and a dtype that casts safely; nothing
+        is assigned unless all of them do. Saved optimizer slots the optimizer has not created yet are kept
+        and assigned when it creates them (it calls `restore_deferred`).
+
+        Args:
+          path: a file written by `save`.
+          allow_partial: restore the keys the file and the objects share instead of raising on the others.
+
+        Raises:
+          CheckpointError (a ValueError): the file is corrupt, truncated or no checkpoint, or it does not
+            match the objects (missing or extra keys, another shape, a dtype that does not cast safely).
+          ContextError (a RuntimeError): called inside a replica function.
+        """
+        _require_cross_replica("Checkpoint.restore")
+        manifest, payload = _read(path)
+        variables, owners, checkpoints = self._collect()
+        saved = {entry["key"]: entry for entry in manifest["entries"]}
+        deferred = [key for key, entry in saved.items() if key not in variables and entry.get("owner") in owners]
+        missing = sorted(variables.keys() - saved.keys())
+        extra = sorted(saved.keys() - variables.keys() - set(deferred))
+        if (missing or extra) and not allow_partial:
+            raise CheckpointError(f"restore needs every object in the file and every saved key in the Checkpoint. "
+                                  f"Received: {os.fspath(path)!r}; missing from the file: {missing}; in the file "
+                                  f"but not in the Checkpoint: {extra}. Pass allow_partial=True to restore the "
+                                  f"others.")
+        matched = [(key, variables[key][0], _entry_array(payload, saved[key])) for key in saved if key in variables]
+        for key, variable, array in matched:
+            _check_compatible(key, array, variable)
+        for key, variable, array in matched:
+            variable.assign(array.astype(variable.dtype, copy=False))
+        for owner_key, owner in owners.items():
+            pending = {saved[key]["name"]: (key, _entry_array(payload, saved[key]).copy())
+                       for key in deferred if saved[key]["owner"] == owner_key}
+            if pending:
+                _DEFERRED[owner] = pending
+            else:
+                _DEFERRED.pop(owner, None)
+        for path_, checkpoint in checkpoints.items():
+            checkpoint.metadata.update(manifest["metadata"].get(path_, {}))
+        return self.metadata
+
+    def _collect(self) -> tuple[dict[str, tuple], dict[str, Any], dict[str, "Checkpoint"]]:
+        """Every variable by key, as (variable, owner key, name in owner); the owners and the Checkpoints by key."""
+        variables: dict[str, tuple] = {}
+        owners: dict[str, Any] = {}
+        checkpoints: dict[str, Checkpoint] = {}
+
+        def add(key: str, variable: Any, owner: str | None = None, name: str | None = None) -> None:
+            if key in variables:
+                raise ValueError(f"A Checkpoint needs a distinct key for every variable. Received: {key!r} twice.")
+            variables[key] = (variable, owner, name)
+
+        def visit(obj: Any, key: str, outer: tuple) -> None:
+            if isinstance(obj, Checkpoint):
+                if any(obj is checkpoint for checkpoint in outer):
+                    raise ValueError(f"A Checkpoint cannot contain itself. Received: one at {key!r}.")
+                checkpoints[key] = obj
+                for child_name, child in obj._objects.items():
+                    visit(child, _join(key, child_name), outer + (obj,))
+            elif isinstance(obj, (Variable, DistributedVariable)):
+                add(key, obj)
+            elif isinstance(obj, dict):
+                for child_name, child in obj.items():
+                    visit(child, _join(key, str(child_name)), outer)
+            elif isinstance(obj, (list, tuple)):
+                for index, child in enumerate(obj):
+                    visit(child, _join(key, str(index)), outer)
+            elif _is_owner(obj):
+                owners[key] = obj
+                for name, variable in _owner_variables(obj).items():
+                    add(_join(key, name), variable, key, name)
+            else:
+                raise TypeError(f"A Checkpoint holds variables, objects with variables(), Checkpoints, and dicts or "
+                                f"lists of them. Received: {type(obj).__name__} at {key!r}; pass plain values as "
+                                f"their own keyword argument (metadata).")
+
+        visit(self, "", ())
+        return variables, owners, checkpoints
+
+    def __repr__(self) -> str:
+        return f"<Checkpoint objects={list(self._objects)} metadata={list(self.metadata)}>"
+
+
+def restore_deferred(owner: Any) -> list[str]:
+    """Assigns the values a restored checkpoint held for variables `owner` had not created yet; returns their names.
+
+    An optimizer calls it after creating slot variables, so that slots restored before the first training
+    step get their saved values. Names still missing stay pending; a later restore replaces them.
+
+    Args:
+      owner: the object with `variables()` that was in the Checkpoint.
+
+    Example:
+      >>> import distrib, numpy as np, os, tempfile
+      >>> from distrib.checkpoint import restore_deferred
+      >>> class Lazy:  # creates its variables on first use, as an optimizer creates its slots
+      ...     def __init__(self):
+      ...         self.created = []
+      ...     def variables(self):
+      ...         return self.created
+      >>> saved = Lazy()
+      >>> saved.created.append(distrib.Variable(np.float32(3), name="velocity"))
+      >>> path = distrib.Checkpoint(opt=saved).save(os.path.join(tempfile.mkdtemp(), "opt.ckpt"))
+      >>> fresh = Lazy()
+      >>> _ = distrib.Checkpoint(opt=fresh).restore(path)  # nothing to restore into yet
+      >>> fresh.created.append(distrib.Variable(np.float32(0), name="velocity"))
+      >>> restore_deferred(fresh), float(fresh.created[0].numpy())
+      (['velocity'], 3.0)
+    """
+    pending = _DEFERRED.get(owner)
+    if not pending:
+        return []
+    _require_cross_replica("restore_deferred")
+    variables = _owner_variables(owner)
+    ready = [name for name in pending if name in variables]
+    for name in ready:
+        _check_compatible(pending[name][0], pending[name][1], variables[name])
+    for name in ready:
+        variables[name].assign(pending.pop(name)[1].astype(variables[name].dtype, copy=False))
+    if not pending:
+        del _DEFERRED[owner]
+    return ready
+
+
+# -- objects ------------------------------------------------------------------------------------------------
+
+def _is_owner(obj: Any) -> bool:
+    return not isinstance(obj, type) and callable(getattr(obj, "variables", None))
+
+
+def _holds_variables(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_variables(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_variables(v) for v in value)
+    return isinstance(value, (Variable, DistributedVariable, Checkpoint)) or _is_owner(value)
+
+
+def _owner_variables(owner: Any) -> dict[str, Any]:
+    """`owner.variables()` by name; a repeated name gets `_1`, `_2`, ... in the order they come."""
+    named: dict[str, Any] = {}
+    for variable in owner.variables():
+        if not isinstance(variable, (Variable, DistributedVariable)):
+            raise TypeError(f"{type(owner).__name__}.variables() must return distrib variables. Received: "
+                            f"{type(variable).__name__}.")
+        name, count = variable.name, 0
+        while name in named:
+            count += 1
+            name = f"{variable.name}_{count}"
+        named[name] = variable
+    return named
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _require_cross_replica(api: str) -> None:
+    top = context.current()
+    if top.replica_context is not None and not context.is_default(top.strategy):
+        raise ContextError(f"{api} must be called in a cross-replica context (inside or outside strategy.scope(), "
+                           f"outside strategy.run), not inside a replica function.")
+
+
+def _saved_value(key: str, variable: Any) -> np.ndarray:
+    """What TensorFlow saves: the primary copy of a MirroredVariable, the aggregate of a SyncOnReadVariable."""
+    if isinstance(variable, SyncOnReadVariable) and variable.aggregation is VariableAggregation.NONE:
+        raise ValueError(f"A SyncOnReadVariable is saved as its aggregate, which aggregation NONE does not define. "
+                         f"Received: {key!r}; give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA.")
+    if isinstance(variable, MirroredVariable):
+        return variable.values[0].numpy()
+    return variable.numpy()
+
+
+def _check_compatible(key: str, array: np.ndarray, variable: Any) -> None:
+    if array.shape != tuple(variable.shape):
+        raise CheckpointError(f"restore needs the shape the variable has. Received: {key!r}, shape {array.shape} in "
+                              f"the file vs {tuple(variable.shape)} in the variable.")
+    if not np.can_cast(array.dtype, variable.dtype, casting="safe"):
+        raise CheckpointError(f"restore casts only to a dtype that holds every value. Received: {key!r}, dtype "
+                              f"{array.dtype} in the file vs {variable.dtype} in the variable.")
+
+
+# -- metadata -----------------------------------------------------------------------------------------------
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
+
+
+def _check_metadata(name: str, value: Any) -> None:
+    try:
+        json.dumps(value, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"Checkpoint metadata must be JSON values (numbers, strings, lists, dicts with string keys). "
+                        f"Received: {type(value).__name__} for {name!r}; hold arrays in a distrib.Variable.") from exc
+
+
+# -- the file -----------------------------------------------------------------------------------------------
+
+def _serialize(manifest: bytes, arrays: list[np.ndarray]) -> Iterator[bytes | np.ndarray]:
+    """The file's chunks, checksum excepted."""
+    yield _MAGIC
+    yield len(manifest).to_bytes(8, "little") + sum(a.nbytes for a in arrays).to_bytes(8, "little")
+    yield manifest
+    for array in arrays:
+        yield array.reshape(-1).view(np.uint8)
+
+
+def _write_atomically(path: str | os.PathLike, chunks: Iterator[bytes | np.ndarray]) -> None:
+    """Writes `chunks` and their SHA-256 to a temporary file beside `path`, syncs it, renames it onto `path`."""
+    path = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(temporary, "xb") as file:
+            digest = hashlib.sha256()
+            for chunk in chunks:
+                file.write(chunk)
+                digest.update(chunk)
+            file.write(digest.digest())
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+    with contextlib.suppress(OSError):  # makes the rename durable; not every system can open a folder
+        folder = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+def _read(path: str | os.PathLike) -> tuple[dict, memoryview]:
+    """The manifest and the payload of a checkpoint file, once its size and checksum are verified."""
+    with open(path, "rb") as file:
+        data = file.read()
+    where = repr(os.fspath(path))
+    if not data.startswith(_MAGIC[:len(data)]):
+        raise CheckpointError(f"restore needs a file written by Checkpoint.save. Received: {where}, which does not "
+                              f"start with {_MAGIC!r}.")
+    expected = None
+    if len(data) >= _SIZES:
+        manifest_size, payload_size = (int.from_bytes(data[i:i + 8], "little") for i in (_SIZES - 16, _SIZES - 8))
+        expected = _SIZES + manifest_size + payload_size + _CHECKSUM
+    if len(data) != expected:
+        raise CheckpointError(f"Checkpoint {where} is truncated or damaged: it has {len(data)} bytes, its header "
+                              f"announces {expected or 'more'}. Restore an earlier checkpoint.")
+    body = memoryview(data)[:-_CHECKSUM]
+    if hashlib.sha256(body).digest() != data[-_CHECKSUM:]:
+        raise CheckpointError(f"Checkpoint {where} is corrupted: its SHA-256 checksum does not match its contents. "
+                              f"Restore an earlier checkpoint.")
+    try:
+        manifest = json.loads(bytes(body[_SIZES:_SIZES + manifest_size]))
+        version = manifest["format"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"Checkpoint {where} has an unreadable manifest: {exc}.") from exc
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"Checkpoint {where} has format {version} (distrib {manifest.get('distrib_version')}); "
+                              f"this distrib reads format {FORMAT_VERSION} and older. Upgrade distrib.")
+    return manifest, body[_SIZES + manifest_size:]
+
+
+def _entry_array(payload: memoryview, entry: dict) -> np.ndarray:
+    """A read-only view of one saved array in the payload."""
+    shape = tuple(entry["shape"])
+    return np.frombuffer(payload, dtype=np.dtype(entry["dtype"]), count=math.prod(shape),
+                         offset=entry["offset"]).reshape(shape)

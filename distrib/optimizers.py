@@ -1,0 +1,370 @@
+"""Optimizers that average the replicas' gradients and update every copy of a mirrored variable: SGD and Adam."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from distrib import context
+from distrib.checkpoint import restore_deferred
+from distrib.options import ReduceOp
+from distrib.values import DistributedValues, PerReplica
+from distrib.variables import DistributedVariable, MirroredVariable, Variable, VariableAggregation
+
+__all__ = ["Adam", "Optimizer", "SGD"]
+
+
+def _hyperparameter(value: Any, argument: str, interval: str = "[0, inf)") -> float:
+    """`value` as a float, checked to lie in `interval`: "[0, inf)", "[0, 1]" or "[0, 1)"."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{argument} must be a number. Received: {type(value).__name__}.")
+    below = {"[0, inf)": value < float("inf"), "[0, 1]": value <= 1, "[0, 1)": value < 1}[interval]
+    if not (value >= 0 and below):
+        raise ValueError(f"{argument} must be in {interval}. Received: {value}.")
+    return float(value)
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    """Slots and update math use the variable's dtype, except float32 for float16 variables."""
+    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+
+
+class Optimizer:
+    """The base of SGD and Adam: averages gradients across replicas, then updates every copy of each variable.
+
+    `apply_gradients` is called in a replica context (inside `strategy.run`) with each replica's own gradients.
+    It makes one `merge_call`; there the gradients are MEAN-reduced in one packed `batch_reduce_to`, and
+    `strategy.extended.update` applies the update to every replica's copy of each variable and of its slots.
+    In a cross-replica context, or with no strategy, the gradients are applied directly (a PerReplica gradient
+    is MEAN-reduced first).
+
+    MEAN means each replica passes the gradient of the mean loss over its own local batch: with equal local
+    batches their average is the gradient of the global batch's mean loss, whatever the number of replicas.
+    TensorFlow's Keras optimizers SUM the replicas' gradients instead and expect each replica's loss to be
+    scaled by the global batch size (`tf.nn.compute_average_loss`); a loss scaled that way here gives updates
+    `num_replicas_in_sync` times too small.
+
+    Slot variables are created on first use, mirrored on their variable's devices and named `<var name>/<slot>`;
+    they start at zero and have the variable's dtype, except float32 for float16 variables (whose update is
+    computed in float32 and rounded into the variable). `variables()` lists `iterations` and the slots, for
+    checkpoints; `build(var_list)` creates them before the first step, e.g. to restore a checkpoint.
+
+    Subclasses list `slot_names` and implement `_coefficients` (per-step scalars) and `_update_device` (the
+    update of a list of variable copies on one device), which a fused device kernel could replace.
+
+    Args:
+      learning_rate: the step size, a float; may be changed between steps.
+      name: names `iterations` (`<name>/iterations`) and error messages.
+
+    Example:
+      >>> import distrib, numpy as np
+      >>> w = distrib.Variable(np.ones(2, np.float32), name="w")
+      >>> opt = distrib.optimizers.SGD(learning_rate=0.5)
+      >>> opt.apply_gradients([(np.ones(2, np.float32), w)])
+      <Variable 'SGD/iterations' shape=() dtype=int64 device=CPU:0>
+      >>> w.numpy(), int(opt.iterations.numpy())
+      (array([0.5, 0.5], dtype=float32), 1)
+    """
+
+    slot_names: tuple[str, ...] = ()
+
+    def __init__(self, learning_rate: float, name: str):
+        self.learning_rate = learning_rate
+        self.name = name
+        self._strategy = context.get_strategy() if context.has_strategy() else None
+        self._iterations: Variable | DistributedVariable | None = None
+        self._slots: dict[Any, dict[str, Any]] = {}  # variable -> {slot name: slot variable}
+        self._slot_list: list[Any] = []  # in creation order
+
+    @property
+    def learning_rate(self) -> float:
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        self._learning_rate = _hyperparameter(value, "learning_rate")
+
+    @property
+    def iterations(self) -> Variable | DistributedVariable:
+        """How many times gradients were applied: an int64 variable (mirrored, ONLY_FIRST_REPLICA aggregation)."""
+        if self._iterations is None:
+            self._create_iterations(self._strategy or context.get_strategy())
+        return self._iterations
+
+    def variables(self) -> list:
+        """`iterations` and the slot variables created so far, in creation order (what a checkpoint saves)."""
+        return ([self._iterations] if self._iterations is not None else []) + list(self._slot_list)
+
+    def get_slot_names(self) -> list[str]:
+        return list(self.slot_names)
+
+    def get_slot(self, var: Any, slot_name: str) -> Any:
+        """The slot variable `slot_name` (one of `slot_names`) of `var`."""
+        if slot_name not in self.slot_names:
+            raise ValueError(f"{type(self).__name__} has slots {list(self.slot_names)}. Received: {slot_name!r}.")
+        if var not in self._slots:
+            raise KeyError(f"{type(self).__name__} has no slots for variable {getattr(var, 'name', var)!r} yet: "
+                           f"they are created by its first apply_gradients (or build).")
+        return self._slots[var][slot_name]
+
+    def build(self, var_list: Iterable[Any]) -> None:
+        """Creates `iterations` and the slots of `var_list` now, in a cross-replica context (e.g. before a restore)."""
+        strategy = context.get_strategy()
+        variables = list(var_list)
+        for position, var in enumerate(variables):
+            _check_variable(strategy, var, position)
+        self._build(strategy, variables)
+
+    # -- applying ---------------------------------------------------------------------------------------
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
+        """Applies (gradient, variable) pairs; returns `iterations`. See `apply`, which also checks that there is
+        one gradient per variable (a `zip` of unequal lists is cut short before it gets here)."""
+        pairs = list(grads_and_vars)
+        for position, pair in enumerate(pairs):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(f"apply_gradients needs (gradient, variable) pairs. Received: {pair!r} at "
+                                f"position {position}.")
+        return self.apply([g for g, _ in pairs], [v for _, v in pairs])
+
+    def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any]) -> Any:
+        """Applies one gradient per variable (None: skip that variable); returns `iterations`.
+
+        Raises:
+          ValueError: different numbers of gradients and variables; a gradient whose shape is not its
+            variable's; every gradient None; a variable of another strategy.
+          TypeError: something that is not a floating-point variable of this strategy.
+        """
+        grads, variables = list(grads), list(trainable_variables)
+        if len(grads) != len(variables):
+            raise ValueError(f"apply needs one gradient per variable. Received: {len(grads)} gradients for "
+                             f"{len(variables)} variables.")
+        strategy = context.get_strategy()
+        for position, var in enumerate(variables):
+            _check_variable(strategy, var, position)
+        kept = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        if not kept:
+            raise ValueError(f"No gradients provided for any variable: {[v.name for v in variables]}.")
+        for grad, var in kept:
+            _check_gradient_shape(grad, var)
+        grads, variables = [g for g, _ in kept], [v for _, v in kept]
+        replica_context = context.get_replica_context()
+        if replica_context is None:
+            return self._apply_cross_replica(strategy, grads, variables)
+        return replica_context.merge_call(self._apply_cross_replica, args=(grads, variables))
+
+    def _apply_cross_replica(self, strategy: Any, grads: list, variables: list) -> Any:
+        """The merge: one packed MEAN reduction, then the update of every copy of every variable."""
+        self._build(strategy, variables)
+        extended = strategy.extended
+        destinations = [v if isinstance(v, DistributedVariable) else v.device for v in variables]
+        reduced = extended.batch_reduce_to(ReduceOp.MEAN, list(zip(grads, destinations)))
+        step = int(self.iterations.numpy()) + 1
+        coefficients = {dtype: self._coefficients(dtype, step)
+                        for dtype in {_compute_dtype(v.dtype) for v in variables}}
+        for var, grad in zip(variables, reduced):
+            slots = [PerReplica(s.values) if isinstance(s, DistributedVariable) else s
+                     for s in self._slots[var].values()]  # update hands each copy its own slot copies
+            extended.update(var, self._update_copy, args=(grad, coefficients[_compute_dtype(var.dtype)], *slots),
+                            group=False)
+        self.iterations.assign_add(1)
+        return self.iterations
+
+    def _update_copy(self, component: Variable, grad: Any, coefficients: tuple, *slots: Variable) -> None:
+        """`extended.update`'s fn: one copy of one variable, on its device."""
+        backend = self._strategy.extended.backend
+        grad = backend.to_device(grad, component.device).astype(_compute_dtype(component.dtype), copy=False)
+        self._update_device(backend.xp, [(component, grad, slots)], coefficients)
+
+    def _update_device(self, xp: Any, items: list[tuple[Variable, Any, tuple]], coefficients: tuple) -> None:
+        """Updates (variable copy, gradient, slot copies) triples on one device, writing in place."""
+        raise NotImplementedError
+
+    def _coefficients(self, dtype: np.dtype, step: int) -> tuple:
+        """This step's scalars in `dtype` (step counts from 1)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r} learning_rate={self.learning_rate}>"
+
+    # -- state: iterations and slots --------------------------------------------------------------------
+
+    def _bind(self, strategy: Any) -> Any:
+        if self._strategy is None:
+            self._strategy = strategy
+        elif strategy is not self._strategy:
+            raise ValueError(f"{self.name} keeps its iterations and slots on {self._strategy!r} and cannot be used "
+                             f"under {strategy!r}. Create one optimizer per strategy, inside its scope().")
+        return strategy
+
+    def _build(self, strategy: Any, variables: list) -> None:
+        self._bind(strategy)
+        if self._iterations is None:
+            self._create_iterations(strategy)
+        created = False
+        for var in variables:
+            if var not in self._slots:
+                self._slots[var] = {name: self._create_slot(strategy, var, name) for name in self.slot_names}
+                created = True
+        if created:  # slots restored from a checkpoint before they existed get their saved values now
+            restore_deferred(self)
+
+    def _create_iterations(self, strategy: Any) -> None:
+        with self._bind(strategy).scope():
+            self._iterations = Variable(np.int64(0), trainable=False, name=f"{self.name}/iterations",
+                                        aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def _create_slot(self, strategy: Any, var: Any, slot_name: str) -> Any:
+        zeros = np.zeros(var.shape, _compute_dtype(var.dtype))
+        name = f"{var.name}/{slot_name}"
+        if isinstance(var, DistributedVariable):
+            with strategy.scope(), strategy.extended.colocate_vars_with(var):
+                slot = Variable(zeros, trainable=False, name=name)
+        else:
+            slot = Variable(zeros, trainable=False, name=name, device=var.device, backend=strategy.extended.backend)
+        self._slot_list.append(slot)
+        return slot
+
+
+def _check_variable(strategy: Any, var: Any, position: int) -> None:
+    if isinstance(var, DistributedVariable):
+        if var._strategy is not strategy:
+            raise ValueError(f"Optimizers update variables of the strategy they run under. Received: variable "
+                             f"{var.name!r} of {var._strategy!r} under {strategy!r}; call apply_gradients inside "
+                             f"strategy.run or strategy.scope() of the variable's strategy.")
+        if not isinstance(var, MirroredVariable):
+            raise TypeError(f"Optimizers update MirroredVariables. Received: {type(var).__name__} {var.name!r}.")
+    elif isinstance(var, Variable):
+        if not context.is_default(strategy):
+            raise ValueError(f"Optimizers update variables of the strategy they run under. Received: variable "
+                             f"{var.name!r}, created outside any strategy, under {strategy!r}; create it inside "
+                             f"strategy.scope().")
+    else:
+        raise TypeError(f"Optimizers update distrib variables. Received: {type(var).__name__} at position "
+                        f"{position}.")
+    if var.dtype.kind != "f":
+        raise TypeError(f"Optimizers update floating-point variables. Received: variable {var.name!r} of dtype "
+                        f"{var.dtype}.")
+
+
+def _check_gradient_shape(grad: Any, var: Any) -> None:
+    components = grad.values if isinstance(grad, DistributedValues) else (grad,)
+    for component in components:
+        if tuple(np.shape(component)) != tuple(var.shape):
+            raise ValueError(f"A gradient must have its variable's shape. Received: shape "
+                             f"{tuple(np.shape(component))} for variable {var.name!r} of shape {var.shape}.")
+
+
+class SGD(Optimizer):
+    """Gradient descent, with optional (Nesterov) momentum, as Keras defines it.
+
+    Plain: `var -= lr * g`. With momentum: `m = momentum * m - lr * g; var += m`; with Nesterov too:
+    `m = momentum * m - lr * g; var += momentum * m - lr * g`. `g` is the MEAN of the replicas' gradients, so
+    each replica passes the gradient of its local batch's mean loss (TensorFlow's Keras optimizers SUM instead,
+    with losses scaled by the global batch size). With momentum the slot is `momentum` (`<var name>/momentum`):
+    the variable's dtype, float32 for float16 variables.
+
+    Args:
+      learning_rate: the step size `lr`, a float; may be changed between steps.
+      momentum: in [0, 1]; 0 means plain gradient descent and no slot.
+      nesterov: whether to apply Nesterov momentum.
+      name: names `iterations` and error messages.
+
+    Example:
+      >>> import distrib, numpy as np
+      >>> strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+      >>> with strategy.scope():
+      ...     w = distrib.Variable(np.ones(2, np.float32), name="w")
+      ...     opt = distrib.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+      >>> def step():
+      ...     g = np.full(2, distrib.get_replica_context().replica_id_in_sync_group, np.float32)
+      ...     opt.apply_gradients([(g, w)])  # replica gradients 0 and 1: their mean is 0.5
+      >>> strategy.run(step)
+      >>> w.numpy(), opt.get_slot(w, "momentum").numpy()
+      (array([0.95, 0.95], dtype=float32), array([-0.05, -0.05], dtype=float32))
+    """
+
+    def __init__(self, learning_rate: float = 0.01, momentum: float = 0.0, nesterov: bool = False,
+                 name: str = "SGD"):
+        super().__init__(learning_rate, name)
+        self.momentum = _hyperparameter(momentum, "momentum", "[0, 1]")
+        self.nesterov = bool(nesterov)
+        self.slot_names = ("momentum",) if self.momentum else ()
+
+    def _coefficients(self, dtype, step):
+        return dtype.type(self.learning_rate), dtype.type(self.momentum)
+
+    def _update_device(self, xp, items, coefficients):
+        lr, momentum = coefficients
+        for var, grad, slots in items:
+            if not slots:
+                var.assign_sub(lr * grad)
+                continue
+            (m,) = slots
+            m.assign(momentum * m.read_value() - lr * grad)
+            if self.nesterov:
+                var.assign_add(momentum * m.read_value() - lr * grad)
+            else:
+                var.assign_add(m)
+
+    def __repr__(self) -> str:
+        return (f"<SGD name={self.name!r} learning_rate={self.learning_rate} momentum={self.momentum} "
+                f"nesterov={self.nesterov}>")
+
+
+class Adam(Optimizer):
+    """Adam, as Keras defines it (with `epsilon` added to `sqrt(v)`, TensorFlow's "epsilon hat").
+
+    At step `t = iterations + 1`: `lr_t = lr * sqrt(1 - beta_2**t) / (1 - beta_1**t)`,
+    `m += (g - m) * (1 - beta_1)`, `v += (g**2 - v) * (1 - beta_2)` (i.e. `m = beta_1 * m + (1 - beta_1) * g`
+    and likewise `v`), `var -= lr_t * m / (sqrt(v) + epsilon)`. `g` is the MEAN of the replicas' gradients, so
+    each replica passes the gradient of its local batch's mean loss (TensorFlow's Keras optimizers SUM instead,
+    with losses scaled by the global batch size). The slots are `m` and `v` (`<var name>/m`, `<var name>/v`):
+    the variable's dtype, float32 for float16 variables.
+
+    Args:
+      learning_rate: the step size `lr`, a float; may be changed between steps.
+      beta_1: decay of the first-moment estimate `m`, in [0, 1).
+      beta_2: decay of the second-moment estimate `v`, in [0, 1).
+      epsilon: added to `sqrt(v)` for numerical stability.
+      name: names `iterations` and error messages.
+
+    Example:
+      >>> import distrib, numpy as np
+      >>> strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+      >>> with strategy.scope():
+      ...     w = distrib.Variable(np.ones(2, np.float32), name="w")
+      ...     opt = distrib.optimizers.Adam(learning_rate=0.1)
+      >>> strategy.run(lambda: opt.apply_gradients([(np.full(2, 3.0, np.float32), w)]))
+      <MirroredVariable 'Adam/iterations' shape=() dtype=int64 devices=('CPU:0', 'CPU:1')>
+      >>> w.numpy().round(5)  # the first step moves each weight by about lr, whatever the gradient's scale
+      array([0.9, 0.9], dtype=float32)
+    """
+
+    slot_names = ("m", "v")
+
+    def __init__(self, learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, name: str = "Adam"):
+        super().__init__(learning_rate, name)
+        self.beta_1 = _hyperparameter(beta_1, "beta_1", "[0, 1)")
+        self.beta_2 = _hyperparameter(beta_2, "beta_2", "[0, 1)")
+        self.epsilon = _hyperparameter(epsilon, "epsilon")
+
+    def _coefficients(self, dtype, step):  # Keras's casts: powers and lr_t in `dtype`, 1 - beta in Python
+        one, t = dtype.type(1), dtype.type(step)
+        beta_1_power, beta_2_power = dtype.type(self.beta_1) ** t, dtype.type(self.beta_2) ** t
+        lr_t = dtype.type(self.learning_rate) * np.sqrt(one - beta_2_power) / (one - beta_1_power)
+        return lr_t, dtype.type(1 - self.beta_1), dtype.type(1 - self.beta_2), dtype.type(self.epsilon)
+
+    def _update_device(self, xp, items, coefficients):
+        lr_t, one_minus_beta_1, one_minus_beta_2, epsilon = coefficients
+        for var, grad, (m, v) in items:
+            m.assign_add((grad - m.read_value()) * one_minus_beta_1)
+            v.assign_add((xp.square(grad) - v.read_value()) * one_minus_beta_2)
+            var.assign_sub(m.read_value() * lr_t / (xp.sqrt(v.read_value()) + epsilon))
+
+    def __repr__(self) -> str:
+        return (f"<Adam name={self.name!r} learning_rate={self.learning_rate} beta_1={self.beta_1} "
+                f"beta_2={self.beta_2} epsilon={self.epsilon}>")

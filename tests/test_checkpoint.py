@@ -1,0 +1,450 @@
+"""Checkpoints: round trips of every kind of variable, across replica counts and into no strategy, optimizer slots,
+metadata, damaged files, interrupted saves, and files that do not match the objects.
+
+The saving rules are TensorFlow's (section 4 of semantics.md): a MirroredVariable saves its primary copy, a
+SyncOnReadVariable its aggregate, and restoring a SyncOnRead SUM variable writes `value / n` to each copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import distrib
+from distrib import Checkpoint, VariableAggregation
+from distrib import checkpoint as checkpoint_module
+from distrib.errors import CheckpointError, ContextError, DistribError
+
+pytestmark = pytest.mark.timeout(30)
+
+SUM, MEAN, FIRST = VariableAggregation.SUM, VariableAggregation.MEAN, VariableAggregation.ONLY_FIRST_REPLICA
+
+
+def strategy_with(replicas: int):
+    """A MirroredStrategy on `replicas` emulated CPUs; 0 means the default strategy (plain variables)."""
+    return distrib.MirroredStrategy([f"CPU:{i}" for i in range(replicas)]) if replicas else distrib.get_strategy()
+
+
+def variable(strategy, value, **kwargs):
+    with strategy.scope():
+        return distrib.Variable(value, **kwargs)
+
+
+def sync_on_read(strategy, value, aggregation):
+    return variable(strategy, value, synchronization="ON_READ", aggregation=aggregation)
+
+
+def copies(var) -> list:
+    """Each replica's copy (a plain variable is its only copy)."""
+    return [c.numpy().tolist() for c in getattr(var, "values", (var,))]
+
+
+@pytest.fixture
+def path(tmp_path):
+    return tmp_path / "model.ckpt"
+
+
+# -- round trips ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", [np.arange(6, dtype=np.float32).reshape(2, 3), np.float64(2.5), np.int64(-7),
+                                   np.array([1, 2, 3], np.int32), np.array([True, False]), np.zeros((0, 4))],
+                         ids=["float32-matrix", "float64-scalar", "int64-scalar", "int32", "bool", "empty"])
+def test_plain_variable_round_trip(path, value):
+    v = distrib.Variable(value, name="v")
+    ckpt = Checkpoint(v=v)
+    assert ckpt.save(path) == os.fspath(path)
+    v.assign(np.zeros_like(value))
+    ckpt.restore(path)
+    np.testing.assert_array_equal(v.numpy(), value)
+    assert v.dtype == np.asarray(value).dtype and v.shape == np.shape(value)
+
+
+def test_mirrored_saves_the_primary_and_restores_every_copy(path):
+    strategy = strategy_with(4)
+    w = variable(strategy, np.array([1.0, 2.0], np.float32))
+    w.values[2].assign(np.array([9.0, 9.0], np.float32))  # a stray copy: the primary is what counts
+    Checkpoint(w=w).save(path)
+    w.assign(np.zeros(2, np.float32))
+    Checkpoint(w=w).restore(path)
+    assert copies(w) == [[1.0, 2.0]] * 4
+
+
+@pytest.mark.parametrize("aggregation, per_replica, saved", [
+    (SUM, [1.0, 2.0, 3.0, 6.0], 12.0),
+    (MEAN, [1.0, 2.0, 3.0, 6.0], 3.0),
+    (FIRST, [5.0, 1.0, 1.0, 1.0], 5.0),
+])
+@pytest.mark.parametrize("restored_replicas", [4, 2, 1, 0])
+def test_sync_on_read_saves_the_aggregate_and_restores_it_anywhere(path, aggregation, per_replica, saved,
+                                                                    restored_replicas):
+    metric = sync_on_read(strategy_with(4), np.float32(0), aggregation)
+    for component, value in zip(metric.values, per_replica):
+        component.assign(np.float32(value))
+    Checkpoint(metric=metric).save(path)
+
+    strategy = strategy_with(restored_replicas)
+    restored = sync_on_read(strategy, np.float32(0), aggregation)
+    Checkpoint(metric=restored).restore(path)
+    assert float(restored.numpy()) == saved
+    n = max(restored_replicas, 1)
+    share = saved / n if aggregation is SUM and restored_replicas else saved
+    assert copies(restored) == [share] * n
+
+
+def test_integer_sum_truncates_over_replicas(path):
+    """7 saved, restored over 2 replicas: each copy gets int(7 / 2) = 3, and the sum reads 6 (as in TensorFlow)."""
+    count = sync_on_read(strategy_with(4), np.int32(0), SUM)
+    for component, value in zip(count.values, [1, 2, 4, 0]):
+        component.assign(np.int32(value))
+    Checkpoint(count=count).save(path)
+
+    on_two = sync_on_read(strategy_with(2), np.int32(0), SUM)
+    Checkpoint(count=on_two).restore(path)
+    assert copies(on_two) == [3, 3] and int(on_two.numpy()) == 6 and on_two.dtype == np.int32
+
+    on_one = sync_on_read(strategy_with(1), np.int32(0), SUM)
+    Checkpoint(count=on_one).restore(path)
+    assert copies(on_one) == [7]
+
+
+@pytest.mark.parametrize("saved_replicas, restored_replicas", [(4, 2), (4, 1), (2, 4), (1, 4), (4, 0), (0, 4)])
+def test_restore_into_another_replica_count_or_no_strategy(path, saved_replicas, restored_replicas):
+    def model(strategy):
+        return {"w": variable(strategy, np.zeros((2, 2), np.float32), name="w"),
+                "steps": variable(strategy, np.int64(0), aggregation=FIRST, name="steps"),
+                "loss_sum": sync_on_read(strategy, np.float32(0), SUM)}
+
+    saved = model(strategy_with(saved_replicas))
+    saved["w"].assign(np.array([[1, 2], [3, 4]], np.float32))
+    saved["steps"].assign(np.int64(41))
+    saved["loss_sum"].assign(np.float32(8))
+    Checkpoint(model=saved).save(path)
+
+    strategy = strategy_with(restored_replicas)
+    restored = model(strategy)
+    with strategy.scope():  # inside or outside the scope: both are cross-replica
+        Checkpoint(model=restored).restore(path)
+    assert copies(restored["w"]) == [[[1, 2], [3, 4]]] * max(restored_replicas, 1)
+    assert int(restored["steps"].numpy()) == 41
+    assert float(restored["loss_sum"].numpy()) == 8.0
+
+
+def test_nested_checkpoints_dicts_and_lists(path):
+    layers = [distrib.Variable(np.full(2, i, np.float32)) for i in range(3)]  # the same default name: keyed by position
+    bias = distrib.Variable(np.float32(5))
+    ckpt = Checkpoint(model=Checkpoint(layers=layers, head={"bias": bias}, epoch=3), step=10)
+    ckpt.save(path)
+    for v in (*layers, bias):
+        v.assign(np.zeros(v.shape, np.float32))
+    model = Checkpoint(layers=layers, head={"bias": bias}, epoch=0)
+    metadata = Checkpoint(model=model, step=0).restore(path)
+    assert [v.numpy().tolist() for v in layers] == [[0, 0], [1, 1], [2, 2]] and float(bias.numpy()) == 5
+    assert metadata == {"step": 10} and model.metadata == {"epoch": 3}
+
+
+# -- optimizers -----------------------------------------------------------------------------------------------
+
+def train_one_step(strategy, optimizer, w):
+    grad = lambda: np.full(3, distrib.get_replica_context().replica_id_in_sync_group + 1, np.float32)  # noqa: E731
+    strategy.run(lambda: optimizer.apply_gradients([(grad(), w)]))
+
+
+@pytest.mark.parametrize("make", [lambda: distrib.optimizers.Adam(0.1),
+                                  lambda: distrib.optimizers.SGD(0.1, momentum=0.9)], ids=["Adam", "SGD"])
+def test_optimizer_iterations_and_slots_round_trip_across_replica_counts(path, make):
+    strategy = strategy_with(4)
+    with strategy.scope():
+        w = distrib.Variable(np.ones(3, np.float32), name="w")
+        optimizer = make()
+    train_one_step(strategy, optimizer, w)
+    train_one_step(strategy, optimizer, w)
+    Checkpoint(w=w, optimizer=optimizer).save(path)
+    saved = {v.name: v.numpy() for v in optimizer.variables()}
+
+    strategy = strategy_with(2)
+    with strategy.scope():
+        w2 = distrib.Variable(np.zeros(3, np.float32), name="w")
+        optimizer2 = make()
+        optimizer2.build([w2])  # the slots exist before the restore
+    Checkpoint(w=w2, optimizer=optimizer2).restore(path)
+    np.testing.assert_array_equal(w2.numpy(), w.numpy())
+    assert {v.name: v.numpy().tolist() for v in optimizer2.variables()} == {k: v.tolist() for k, v in saved.items()}
+    assert sorted(saved) == sorted(["w/" + s for s in optimizer.slot_names] + [f"{optimizer.name}/iterations"])
+
+
+
+def test_optimizer_slots_restored_before_the_optimizer_builds_them(path):
+    strategy = strategy_with(2)
+    with strategy.scope():
+        w = distrib.Variable(np.ones(3, np.float32), name="w")
+        optimizer = distrib.optimizers.Adam(0.1)
+    train_one_step(strategy, optimizer, w)
+    Checkpoint(w=w, optimizer=optimizer).save(path)
+
+    with strategy.scope():
+        fresh = distrib.optimizers.Adam(0.1)
+    Checkpoint(w=w, optimizer=fresh).restore(path)  # no iterations, no slots yet: their values wait
+    with strategy.scope():
+        fresh.build([w])
+        checkpoint_module.restore_deferred(fresh)  # what an optimizer calls once it has created its variables
+    assert [v.numpy().tolist() for v in fresh.variables()] == [v.numpy().tolist() for v in optimizer.variables()]
+
+class LazyOptimizer:
+    """A stand-in optimizer that creates its slots on first use, and then takes their restored values."""
+
+    def __init__(self):
+        self.iterations = distrib.Variable(np.int64(0), name="iterations")
+        self.slots = {}
+
+    def variables(self):
+        return [self.iterations, *self.slots.values()]
+
+    def apply(self, grad, var):
+        if var.name not in self.slots:
+            self.slots[var.name] = distrib.Variable(np.zeros(var.shape, var.dtype), name=f"{var.name}/velocity")
+            checkpoint_module.restore_deferred(self)
+        velocity = self.slots[var.name]
+        velocity.assign(0.5 * velocity.numpy() + grad)
+        var.assign_sub(velocity)
+        self.iterations.assign_add(1)
+
+
+def test_slots_the_optimizer_has_not_created_yet_are_restored_when_it_creates_them(path):
+    w = distrib.Variable(np.ones(2, np.float32), name="w")
+    optimizer = LazyOptimizer()
+    optimizer.apply(np.ones(2, np.float32), w)
+    Checkpoint(w=w, optimizer=optimizer).save(path)  # velocity [1, 1], iterations 1
+
+    fresh = LazyOptimizer()
+    Checkpoint(w=w, optimizer=fresh).restore(path)  # no slot yet: not an error
+    assert int(fresh.iterations.numpy()) == 1 and fresh.slots == {}
+    fresh.apply(np.zeros(2, np.float32), w)  # creates the slot, which calls restore_deferred
+    assert fresh.slots["w"].numpy().tolist() == [0.5, 0.5]  # 0.5 * the restored velocity, not 0.5 * 0
+    assert checkpoint_module.restore_deferred(fresh) == []
+
+
+
+def test_the_file_is_magic_sizes_manifest_payload_and_sha256(path):
+    strategy = strategy_with(2)
+    total = sync_on_read(strategy, np.float32(0), SUM)
+    total.assign(np.float32(6))
+    Checkpoint(total=total, w=distrib.Variable(np.arange(3, dtype=np.int16)), step=4).save(path)
+    data = path.read_bytes()
+    magic = b"distrib-checkpoint\n"
+    manifest_size, payload_size = (int.from_bytes(data[i:i + 8], "little") for i in (len(magic), len(magic) + 8))
+    start = len(magic) + 16
+    manifest = json.loads(data[start:start + manifest_size])
+    payload = data[start + manifest_size:-32]
+    assert data.startswith(magic) and len(payload) == payload_size == 4 + 6
+    assert data[-32:] == hashlib.sha256(data[:-32]).digest()
+    assert manifest["format"] == 1 and manifest["distrib_version"] == distrib.__version__
+    assert manifest["metadata"] == {"": {"step": 4}}
+    assert [(e["key"], e["dtype"], e["shape"], e["variable"], e["aggregation"]) for e in manifest["entries"]] == [
+        ("total", "<f4", [], "SyncOnReadVariable", "SUM"), ("w", "<i2", [3], "Variable", "NONE")]
+    assert np.frombuffer(payload, "<f4", 1)[0] == 6.0  # the sum, not a replica's share
+
+# -- metadata -------------------------------------------------------------------------------------------------
+
+def test_metadata_round_trip(path):
+    w = distrib.Variable(np.zeros(2, np.float32))
+    history = {"loss": [0.5, 0.25], "accuracy": [0.75, 0.9]}
+    ckpt = Checkpoint(w=w, step=np.int64(12), lr=0.001, run="baseline", history=history, tags=("a", "b"))
+    assert ckpt.metadata["step"] == 12
+    ckpt.save(path)
+    fresh = Checkpoint(w=w, step=0, added_later="kept")
+    metadata = fresh.restore(path)
+    assert metadata is fresh.metadata
+    assert metadata == {"step": 12, "lr": 0.001, "run": "baseline", "history": history, "tags": ["a", "b"],
+                        "added_later": "kept"}
+    assert type(metadata["step"]) is int
+
+
+def test_metadata_must_be_json():
+    with pytest.raises(TypeError, match="Checkpoint metadata must be JSON values.*'weights'"):
+        Checkpoint(weights=np.zeros(3))
+    with pytest.raises(TypeError, match="A Checkpoint holds variables.*'model/lr'"):
+        Checkpoint(model={"w": distrib.Variable(np.zeros(1)), "lr": 0.1})
+
+
+def test_repr():
+    ckpt = Checkpoint(w=distrib.Variable(np.zeros(1)), step=1)
+    assert repr(ckpt) == "<Checkpoint objects=['w'] metadata=['step']>"
+
+
+# -- damaged files --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def saved(path):
+    """A checkpoint of one 1000-float variable at `path`, and that variable."""
+    w = distrib.Variable(np.arange(1000, dtype=np.float32), name="w")
+    Checkpoint(w=w, step=1).save(path)
+    return w
+
+
+@pytest.mark.parametrize("where", [60, -2000, -1])  # in the manifest, in the payload, in the checksum
+def test_a_flipped_byte_is_detected(path, saved, where):
+    data = bytearray(path.read_bytes())
+    data[where] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"Checkpoint '.*model.ckpt' is corrupted: its SHA-256 checksum"):
+        Checkpoint(w=saved, step=0).restore(path)
+    assert saved.numpy()[1] == 1.0  # nothing was assigned
+
+
+@pytest.mark.parametrize("keep", [0, 10, 30, 500, -1])
+def test_a_truncated_file_is_detected(path, saved, keep):
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(CheckpointError, match=r"Checkpoint '.*model.ckpt' is truncated or damaged: it has"):
+        Checkpoint(w=saved).restore(path)
+
+
+def test_a_file_that_is_no_checkpoint(path):
+    path.write_bytes(b"PK\x03\x04 a zip file")
+    with pytest.raises(CheckpointError, match="restore needs a file written by Checkpoint.save"):
+        Checkpoint(w=distrib.Variable(np.zeros(1))).restore(path)
+    assert issubclass(CheckpointError, DistribError) and issubclass(CheckpointError, ValueError)
+
+
+# -- interrupted saves ----------------------------------------------------------------------------------------
+
+def test_an_exception_midway_through_a_save_leaves_the_previous_checkpoint(path, saved, monkeypatch):
+    serialize = checkpoint_module._serialize
+
+    def disk_full_after_the_manifest(*args):
+        chunks = serialize(*args)
+        yield from (next(chunks), next(chunks), next(chunks))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module, "_serialize", disk_full_after_the_manifest)
+    saved.assign(np.zeros(1000, np.float32))
+    with pytest.raises(OSError, match="No space left"):
+        Checkpoint(w=saved, step=2).save(path)
+    assert os.listdir(path.parent) == ["model.ckpt"]  # no temporary file left behind
+    assert Checkpoint(w=saved, step=0).restore(path) == {"step": 1}
+    assert saved.numpy()[999] == 999.0
+
+
+def test_a_failed_flush_to_disk_leaves_the_previous_checkpoint(path, saved, monkeypatch):
+    def failing_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+        Checkpoint(w=saved, step=2).save(path)
+    monkeypatch.undo()
+    assert os.listdir(path.parent) == ["model.ckpt"]
+    assert Checkpoint(w=saved, step=0).restore(path) == {"step": 1}
+
+
+SAVE_IN_A_LOOP = """
+import sys, numpy as np, distrib
+w = distrib.Variable(np.zeros(int(sys.argv[2]), np.float32), name="w")
+ckpt = distrib.Checkpoint(w=w)
+for step in range(1, 1000):
+    w.assign(np.full(w.shape, step, np.float32))
+    ckpt.save(sys.argv[1])
+"""
+
+
+def half_written(folder: Path) -> list[Path]:
+    """The temporary files of saves in progress that already hold more than 1 MiB."""
+    found = []
+    for temporary in folder.glob(".*.tmp"):
+        with contextlib.suppress(FileNotFoundError):  # renamed onto the checkpoint in the meantime
+            if temporary.stat().st_size > 1 << 20:
+                found.append(temporary)
+    return found
+
+
+def kill_mid_save(path: Path, size: int) -> bool:
+    """Starts a process saving `size` floats to `path` in a loop, kills it mid-write; True if it was caught so."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(distrib.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen([sys.executable, "-c", SAVE_IN_A_LOOP, str(path), str(size)], env=env)
+    try:
+        deadline = time.monotonic() + 10
+        while not half_written(path.parent) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        process.kill()
+        process.wait()
+    return bool(list(path.parent.glob(".*.tmp")))  # left behind: the kill came between its creation and rename
+
+
+def test_a_process_killed_mid_save_leaves_a_restorable_checkpoint(path):
+    size = 8 << 20  # 32 MiB of float32: each save takes long enough to be caught in the middle
+    w = distrib.Variable(np.full(size, -1, np.float32), name="w")
+    Checkpoint(w=w).save(path)
+    assert any(kill_mid_save(path, size) for _ in range(3)), "the saving process was never caught mid-write"
+    w.assign(np.zeros(size, np.float32))
+    Checkpoint(w=w).restore(path)
+    values = w.numpy()
+    assert values[0] != 0 and (values == values[0]).all()  # one whole save: ours (-1), or one of the process's
+
+
+# -- files that do not match the objects ----------------------------------------------------------------------
+
+def test_missing_and_extra_keys_are_listed(path):
+    a, b = distrib.Variable(np.ones(2)), distrib.Variable(np.ones(2))
+    Checkpoint(a=a, b=b).save(path)
+    c = distrib.Variable(np.zeros(2))
+    with pytest.raises(CheckpointError, match=r"missing from the file: \['c'\]; in the file but not in the "
+                                              r"Checkpoint: \['b'\]"):
+        Checkpoint(a=a, c=c).restore(path)
+    a.assign(np.zeros(2))
+    Checkpoint(a=a, c=c).restore(path, allow_partial=True)
+    assert a.numpy().tolist() == [1, 1] and c.numpy().tolist() == [0, 0]
+
+
+def test_a_shape_mismatch_names_the_key_and_both_shapes(path):
+    Checkpoint(model={"w": distrib.Variable(np.ones((2, 3)))}).save(path)
+    with pytest.raises(CheckpointError, match=r"restore needs the shape the variable has. Received: 'model/w', "
+                                              r"shape \(2, 3\) in the file vs \(3, 2\) in the variable"):
+        Checkpoint(model={"w": distrib.Variable(np.zeros((3, 2)))}).restore(path)
+
+
+def test_dtypes_cast_only_safely(path):
+    Checkpoint(w=distrib.Variable(np.array([1, 2], np.int32))).save(path)
+    wider = distrib.Variable(np.zeros(2, np.int64))
+    Checkpoint(w=wider).restore(path)
+    assert wider.numpy().tolist() == [1, 2] and wider.dtype == np.int64
+    with pytest.raises(CheckpointError, match="Received: 'w', dtype int32 in the file vs int16 in the variable"):
+        Checkpoint(w=distrib.Variable(np.zeros(2, np.int16))).restore(path)
+
+
+def test_nothing_is_assigned_unless_everything_matches(path):
+    a, b = distrib.Variable(np.ones(2)), distrib.Variable(np.ones(2))
+    Checkpoint(a=a, b=b).save(path)
+    a.assign(np.zeros(2))
+    with pytest.raises(CheckpointError, match="shape"):
+        Checkpoint(a=a, b=distrib.Variable(np.zeros(3))).restore(path)
+    assert a.numpy().tolist() == [0, 0]
+
+
+# -- contexts and unsupported variables -----------------------------------------------------------------------
+
+def test_restore_and_save_in_a_replica_context_raise(path):
+    strategy = strategy_with(2)
+    w = variable(strategy, np.zeros(2, np.float32))
+    ckpt = Checkpoint(w=w)
+    ckpt.save(path)
+    for method in (ckpt.restore, ckpt.save):
+        with pytest.raises(ContextError, match=r"Checkpoint\.\w+ must be called in a cross-replica context"):
+            strategy.run(method, args=(path,))
+    assert issubclass(ContextError, RuntimeError)
+
+
+def test_sync_on_read_without_aggregation_cannot_be_saved(path):
+    metric = sync_on_read(strategy_with(2), np.float32(0), "NONE")
+    with pytest.raises(ValueError, match="aggregation NONE does not define"):
+        Checkpoint(metric=metric).save(path)
+    assert not path.parent.exists() or os.listdir(path.parent) == []

@@ -1,0 +1,423 @@
+"""Optimizers: SGD and Adam math, MEAN across replicas, data-parallel training, slots, iterations and errors."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import distrib
+from distrib import optimizers
+
+pytestmark = pytest.mark.timeout(60)
+
+FOUR = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+TOLERANCE = {np.float32: dict(rtol=1e-5, atol=1e-6), np.float64: dict(rtol=1e-10, atol=1e-12)}
+
+
+@pytest.fixture(scope="module")
+def strategies():
+    """One and four emulated replicas, shared by the module's tests (their replica threads stay alive)."""
+    return {1: distrib.MirroredStrategy(["CPU:0"]), 4: distrib.MirroredStrategy(FOUR)}
+
+
+# -- the NumPy reference ---------------------------------------------------------------------------------
+
+
+def reference_sgd(var, grads, learning_rate, momentum=0.0, nesterov=False):
+    """Keras's SGD in float64, one step per gradient."""
+    var, m = var.astype(np.float64), np.zeros(var.shape)
+    for g in grads:
+        if not momentum:
+            var = var - learning_rate * g
+            continue
+        m = momentum * m - learning_rate * g
+        var = var + (momentum * m - learning_rate * g if nesterov else m)
+    return var
+
+
+def reference_adam(var, grads, learning_rate, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+    """Keras's Adam in float64, one step per gradient."""
+    var, m, v = var.astype(np.float64), np.zeros(var.shape), np.zeros(var.shape)
+    for t, g in enumerate(grads, start=1):
+        lr_t = learning_rate * np.sqrt(1 - beta_2 ** t) / (1 - beta_1 ** t)
+        m = beta_1 * m + (1 - beta_1) * g
+        v = beta_2 * v + (1 - beta_2) * g * g
+        var = var - lr_t * m / (np.sqrt(v) + epsilon)
+    return var
+
+
+CONFIGS = {
+    "sgd": (lambda: optimizers.SGD(learning_rate=0.1), lambda w, gs: reference_sgd(w, gs, 0.1)),
+    "momentum": (lambda: optimizers.SGD(learning_rate=0.1, momentum=0.9),
+                 lambda w, gs: reference_sgd(w, gs, 0.1, 0.9)),
+    "nesterov": (lambda: optimizers.SGD(learning_rate=0.1, momentum=0.9, nesterov=True),
+                 lambda w, gs: reference_sgd(w, gs, 0.1, 0.9, nesterov=True)),
+    "adam": (lambda: optimizers.Adam(learning_rate=0.01), lambda w, gs: reference_adam(w, gs, 0.01)),
+}
+
+
+def make_variables(strategy, initial_values):
+    with strategy.scope():
+        return [distrib.Variable(value, name=f"w{k}") for k, value in enumerate(initial_values)]
+
+
+def apply_in_replicas(strategy, opt, variables, per_replica_grads):
+    """One step: replica r applies `per_replica_grads(r)`, a list with one gradient per variable."""
+
+    def step():
+        replica = distrib.get_replica_context().replica_id_in_sync_group
+        opt.apply_gradients(zip(per_replica_grads(replica), variables))
+
+    strategy.run(step)
+
+
+def assert_every_copy(variable, expected, dtype):
+    for component in variable.values:
+        np.testing.assert_allclose(component.numpy(), expected, **TOLERANCE[dtype])
+
+
+# -- the update math ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_update_matches_the_numpy_reference(strategies, config, dtype, replicas):
+    strategy, (make_optimizer, reference) = strategies[replicas], CONFIGS[config]
+    rng = np.random.default_rng(0)
+    initial = [rng.standard_normal((3, 4)).astype(dtype), rng.standard_normal(5).astype(dtype)]
+    steps = [[rng.standard_normal(w.shape).astype(dtype) for w in initial] for _ in range(5)]
+    with strategy.scope():
+        opt = make_optimizer()
+    variables = make_variables(strategy, initial)
+    for grads in steps:  # every replica passes its own copy of the same gradients
+        apply_in_replicas(strategy, opt, variables, lambda r, grads=grads: [g.copy() for g in grads])
+    for k, var in enumerate(variables):
+        assert var.dtype == dtype
+        assert_every_copy(var, reference(initial[k], [grads[k] for grads in steps]), dtype)
+    assert int(opt.iterations.numpy()) == len(steps)
+
+
+def test_sgd_without_momentum_has_no_slots(strategies):
+    variables = make_variables(strategies[4], [np.ones(3, np.float32)])
+    opt = optimizers.SGD(learning_rate=0.5)
+    apply_in_replicas(strategies[4], opt, variables, lambda r: [np.ones(3, np.float32)])
+    assert opt.get_slot_names() == []
+    assert opt.variables() == [opt.iterations]
+    np.testing.assert_array_equal(variables[0].numpy(), [0.5, 0.5, 0.5])
+
+
+def test_learning_rate_can_change_between_steps(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(2, np.float32)])
+    opt = optimizers.SGD(learning_rate=1.0)
+    apply_in_replicas(strategy, opt, [w], lambda r: [np.ones(2, np.float32)])
+    opt.learning_rate = 0.25
+    apply_in_replicas(strategy, opt, [w], lambda r: [np.ones(2, np.float32)])
+    assert opt.learning_rate == 0.25
+    assert_every_copy(w, [-1.25, -1.25], np.float32)
+
+
+def test_float16_variables_get_float32_slots(strategies):
+    strategy = strategies[4]
+    initial = np.linspace(-1, 1, 6).astype(np.float16)
+    (w,) = make_variables(strategy, [initial])
+    opt = optimizers.Adam(learning_rate=0.01)
+    grads = [np.full(6, 0.5 + k, np.float16) for k in range(3)]
+    for g in grads:
+        apply_in_replicas(strategy, opt, [w], lambda r, g=g: [g.copy()])
+    assert w.dtype == np.float16
+    assert opt.get_slot(w, "m").dtype == opt.get_slot(w, "v").dtype == np.float32
+    for component in w.values:
+        np.testing.assert_allclose(component.numpy(), reference_adam(initial, grads, 0.01), rtol=1e-3, atol=1e-3)
+
+
+# -- MEAN across replicas -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["momentum", "adam"])
+def test_four_replicas_apply_the_mean_of_their_gradients(strategies, config):
+    make_optimizer, _ = CONFIGS[config]
+    rng = np.random.default_rng(1)
+    initial = rng.standard_normal((4, 3)).astype(np.float32)
+    steps = [rng.standard_normal((4, 4, 3)).astype(np.float32) for _ in range(4)]  # [replica] per step
+    four, one = make_variables(strategies[4], [initial]), make_variables(strategies[1], [initial])
+    opt_four, opt_one = make_optimizer(), make_optimizer()
+    for grads in steps:
+        apply_in_replicas(strategies[4], opt_four, four, lambda r, grads=grads: [grads[r]])
+        apply_in_replicas(strategies[1], opt_one, one, lambda r, grads=grads: [grads.mean(axis=0)])
+    assert_every_copy(four[0], one[0].numpy(), np.float32)
+
+
+def test_cross_replica_apply_reduces_a_per_replica_gradient(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(3, np.float32)])
+    opt = optimizers.SGD(learning_rate=1.0)
+    grad = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full(3, ctx.replica_id_in_sync_group, np.float32))  # 0, 1, 2, 3: mean 1.5
+    with strategy.scope():
+        opt.apply_gradients([(grad, w)])
+        opt.apply_gradients([(np.ones(3, np.float32), w)])  # one value: applied to every copy as it is
+    assert_every_copy(w, [-2.5, -2.5, -2.5], np.float32)
+    assert int(opt.iterations.numpy()) == 2
+
+
+def test_without_a_strategy_gradients_apply_directly():
+    w = distrib.Variable(np.ones(2, np.float64), name="w")
+    opt = optimizers.SGD(learning_rate=0.1, momentum=0.5)
+    for _ in range(3):
+        opt.apply_gradients([(np.ones(2), w)])
+    np.testing.assert_allclose(w.numpy(), reference_sgd(np.ones(2), [np.ones(2)] * 3, 0.1, 0.5))
+    assert type(opt.iterations) is distrib.Variable and int(opt.iterations.numpy()) == 3
+    assert type(opt.get_slot(w, "momentum")) is distrib.Variable
+
+
+def test_one_merge_call_and_one_packed_reduction_per_step(strategies, monkeypatch):
+    strategy = strategies[4]
+    variables = make_variables(strategy, [np.zeros((2, 2), np.float32), np.zeros(3, np.float32),
+                                          np.zeros(4, np.float64)])
+    opt = optimizers.Adam()
+    merge_calls, reductions, all_reduces = [], [], []
+    merge_call = distrib.ReplicaContext.merge_call
+    monkeypatch.setattr(distrib.ReplicaContext, "merge_call",
+                        lambda self, *a, **kw: merge_calls.append(1) or merge_call(self, *a, **kw))
+    batch_reduce_to = strategy.extended.batch_reduce_to
+    monkeypatch.setattr(strategy.extended, "batch_reduce_to",
+                        lambda op, pairs, *a: reductions.append((op, len(pairs))) or batch_reduce_to(op, pairs, *a))
+    ops = strategy.extended._cross_device_ops
+    batch_all_reduce = ops.batch_all_reduce
+    monkeypatch.setattr(ops, "batch_all_reduce",
+                        lambda *a: all_reduces.append(1) or batch_all_reduce(*a))
+    apply_in_replicas(strategy, opt, variables, lambda r: [np.ones(v.shape, v.dtype) for v in variables])
+    assert len(merge_calls) == 4  # one per replica
+    assert reductions == [(distrib.ReduceOp.MEAN, 3)]
+    assert len(all_reduces) == 1
+
+
+# -- data-parallel training -----------------------------------------------------------------------------
+
+
+def mlp_gradients(params, x, y):
+    """Gradients of the mean squared error of tanh(x W1 + b1) W2 + b2 over the (local) batch."""
+    w1, b1, w2, b2 = params
+    hidden = np.tanh(x @ w1 + b1)
+    d_out = 2 * (hidden @ w2 + b2 - y) / len(x)
+    d_pre = (d_out @ w2.T) * (1 - hidden ** 2)
+    return [x.T @ d_pre, d_pre.sum(axis=0), hidden.T @ d_out, d_out.sum(axis=0)]
+
+
+def train(strategy, make_optimizer, batches, initial):
+    with strategy.scope():
+        params = [distrib.Variable(value, name=name) for name, value in zip(["w1", "b1", "w2", "b2"], initial)]
+        opt = make_optimizer()
+
+    def step(x, y):
+        grads = mlp_gradients([p.value() for p in params], x, y)
+        opt.apply_gradients(zip(grads, params))
+
+    for x, y in strategy.experimental_distribute_dataset(batches):
+        strategy.run(step, args=(x, y))
+    assert int(opt.iterations.numpy()) == len(batches)
+    return params
+
+
+@pytest.mark.parametrize("config", ["momentum", "adam"])
+def test_four_replicas_train_like_one(strategies, config):
+    rng = np.random.default_rng(2)
+    initial = [rng.standard_normal((5, 8)).astype(np.float32) * 0.5, np.zeros(8, np.float32),
+               rng.standard_normal((8, 1)).astype(np.float32) * 0.5, np.zeros(1, np.float32)]
+    x = rng.standard_normal((20 * 32, 5)).astype(np.float32)
+    y = (np.sin(x.sum(axis=1, keepdims=True)) + 0.1 * rng.standard_normal((20 * 32, 1))).astype(np.float32)
+    batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x), 32)]  # 20 global batches of 32
+    make_optimizer = {"momentum": lambda: optimizers.SGD(learning_rate=0.05, momentum=0.9),
+                      "adam": lambda: optimizers.Adam(learning_rate=0.01)}[config]
+    one = train(strategies[1], make_optimizer, batches, initial)
+    four = train(strategies[4], make_optimizer, batches, initial)
+    for p1, p4, start in zip(one, four, initial):
+        assert not np.allclose(p1.numpy(), start)  # it trained
+        for component in p4.values:
+            np.testing.assert_allclose(component.numpy(), p1.numpy(), rtol=1e-5, atol=1e-6)
+
+
+# -- slots, iterations, variables ----------------------------------------------------------------------
+
+
+def test_slots_are_mirrored_like_their_variable(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.ones((2, 3), np.float32)])
+    with strategy.scope():
+        opt = optimizers.Adam()
+    apply_in_replicas(strategy, opt, [w], lambda r: [np.ones((2, 3), np.float32)])
+    for name in ("m", "v"):
+        slot = opt.get_slot(w, name)
+        assert isinstance(slot, distrib.MirroredVariable)
+        assert slot.name == f"w0/{name}" and slot.devices == w.devices
+        assert slot.shape == w.shape and slot.dtype == np.float32 and not slot.trainable
+        for component in slot.values[1:]:
+            np.testing.assert_array_equal(component.numpy(), slot.values[0].numpy())
+    np.testing.assert_allclose(opt.get_slot(w, "m").numpy(), np.full((2, 3), 0.1), rtol=1e-6)
+    assert opt.variables() == [opt.iterations, opt.get_slot(w, "m"), opt.get_slot(w, "v")]
+
+
+def test_iterations_is_a_mirrored_int64_counted_once_per_step(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(2, np.float32)])
+    opt = optimizers.SGD(momentum=0.9, name="opt")
+    for _ in range(3):
+        apply_in_replicas(strategy, opt, [w], lambda r: [np.ones(2, np.float32)])
+    iterations = opt.iterations
+    assert isinstance(iterations, distrib.MirroredVariable) and iterations.name == "opt/iterations"
+    assert iterations.dtype == np.int64 and iterations.aggregation is distrib.VariableAggregation.ONLY_FIRST_REPLICA
+    assert [int(c.numpy()) for c in iterations.values] == [3, 3, 3, 3]
+
+
+def test_build_creates_slots_before_the_first_step(strategies):
+    strategy = strategies[4]
+    variables = make_variables(strategy, [np.zeros(2, np.float32), np.zeros(3, np.float32)])
+    with strategy.scope():
+        opt = optimizers.SGD(momentum=0.9)
+        opt.build(variables)
+    assert [v.name for v in opt.variables()] == ["SGD/iterations", "w0/momentum", "w1/momentum"]
+    assert int(opt.iterations.numpy()) == 0
+
+
+def test_none_gradients_are_skipped(strategies):
+    strategy = strategies[4]
+    used, unused = make_variables(strategy, [np.zeros(2, np.float32), np.zeros(2, np.float32)])
+    opt = optimizers.SGD(learning_rate=1.0, momentum=0.5)
+    apply_in_replicas(strategy, opt, [used, unused], lambda r: [np.ones(2, np.float32), None])
+    assert_every_copy(used, [-1, -1], np.float32)
+    assert_every_copy(unused, [0, 0], np.float32)
+    with pytest.raises(KeyError, match="SGD has no slots for variable 'w1' yet"):
+        opt.get_slot(unused, "momentum")
+
+
+def test_repr():
+    assert repr(optimizers.SGD(momentum=0.9)) == \
+        "<SGD name='SGD' learning_rate=0.01 momentum=0.9 nesterov=False>"
+    assert repr(optimizers.Adam()) == \
+        "<Adam name='Adam' learning_rate=0.001 beta_1=0.9 beta_2=0.999 epsilon=1e-07>"
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+
+
+def test_one_gradient_per_variable(strategies):
+    variables = make_variables(strategies[4], [np.zeros(2, np.float32)])
+    with pytest.raises(ValueError, match="apply needs one gradient per variable. Received: 2 gradients for 1"):
+        optimizers.SGD().apply([np.ones(2), np.ones(2)], variables)
+    with pytest.raises(TypeError, match="apply_gradients needs \\(gradient, variable\\) pairs"):
+        optimizers.SGD().apply_gradients([(np.ones(2),)])
+
+
+def test_gradient_shapes_must_match_in_a_replica(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros((2, 3), np.float32)])
+    opt = optimizers.SGD()
+    with pytest.raises(ValueError, match=r"A gradient must have its variable's shape. Received: shape \(3, 2\) "
+                                         r"for variable 'w0' of shape \(2, 3\)"):
+        apply_in_replicas(strategy, opt, [w], lambda r: [np.ones((3, 2), np.float32)])
+    assert_every_copy(w, np.zeros((2, 3)), np.float32)
+
+
+def test_all_none_gradients(strategies):
+    variables = make_variables(strategies[4], [np.zeros(2, np.float32)])
+    with pytest.raises(ValueError, match=r"No gradients provided for any variable: \['w0'\]"):
+        apply_in_replicas(strategies[4], optimizers.SGD(), variables, lambda r: [None])
+
+
+def test_variables_of_another_strategy(strategies):
+    (mirrored,) = make_variables(strategies[4], [np.zeros(2, np.float32)])
+    plain = distrib.Variable(np.zeros(2, np.float32), name="plain")
+    with pytest.raises(ValueError, match="Optimizers update variables of the strategy they run under"):
+        apply_in_replicas(strategies[1], optimizers.SGD(), [mirrored], lambda r: [np.ones(2, np.float32)])
+    with pytest.raises(ValueError, match="Optimizers update variables of the strategy they run under"):
+        optimizers.SGD().apply_gradients([(np.ones(2, np.float32), mirrored)])  # outside its scope
+    with pytest.raises(ValueError, match="Optimizers update variables of the strategy they run under"):
+        apply_in_replicas(strategies[4], optimizers.SGD(), [plain], lambda r: [np.ones(2, np.float32)])
+
+
+def test_one_optimizer_per_strategy(strategies):
+    opt = optimizers.SGD(momentum=0.9)
+    apply_in_replicas(strategies[4], opt, make_variables(strategies[4], [np.zeros(2, np.float32)]),
+                      lambda r: [np.ones(2, np.float32)])
+    with pytest.raises(ValueError, match="SGD keeps its iterations and slots on <MirroredStrategy"):
+        apply_in_replicas(strategies[1], opt, make_variables(strategies[1], [np.zeros(2, np.float32)]),
+                          lambda r: [np.ones(2, np.float32)])
+
+
+def test_what_is_not_a_float_variable(strategies):
+    with pytest.raises(TypeError, match="Optimizers update distrib variables. Received: ndarray at position 0"):
+        optimizers.SGD().apply_gradients([(np.ones(2), np.zeros(2))])
+    counter = distrib.Variable(np.zeros(2, np.int64), name="counter")
+    with pytest.raises(TypeError, match="Optimizers update floating-point variables. Received: variable 'counter'"):
+        optimizers.SGD().apply_gradients([(np.ones(2), counter)])
+    with strategies[4].scope():
+        metric = distrib.Variable(np.zeros(2, np.float32), name="metric", synchronization="ON_READ")
+        with pytest.raises(TypeError, match="Optimizers update MirroredVariables. Received: SyncOnReadVariable"):
+            optimizers.SGD().apply_gradients([(np.ones(2, np.float32), metric)])
+
+
+def test_get_slot_with_an_unknown_name():
+    with pytest.raises(ValueError, match=r"Adam has slots \['m', 'v'\]. Received: 'momentum'"):
+        optimizers.Adam().get_slot(distrib.Variable(np.zeros(1)), "momentum")
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: optimizers.SGD(momentum=1.5), ValueError, r"momentum must be in \[0, 1\]. Received: 1.5"),
+    (lambda: optimizers.Adam(beta_1=1.0), ValueError, r"beta_1 must be in \[0, 1\). Received: 1.0"),
+    (lambda: optimizers.SGD(learning_rate=-0.1), ValueError, r"learning_rate must be in \[0, inf\)"),
+    (lambda: optimizers.SGD(learning_rate="0.1"), TypeError, "learning_rate must be a number. Received: str"),
+])
+def test_hyperparameters_are_checked(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_replicas_run_apply_gradients_concurrently_without_losing_steps(strategies):
+    """The merge runs once per step however the replica threads interleave."""
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(1, np.float64)])
+    opt = optimizers.SGD(learning_rate=1.0)
+    threads_seen = set()
+
+    def grads(replica):
+        threads_seen.add(threading.current_thread().name)
+        return [np.ones(1)]
+
+    for _ in range(10):
+        apply_in_replicas(strategy, opt, [w], grads)
+    assert len(threads_seen) == 4
+    assert_every_copy(w, [-10.0], np.float64)
+
+
+def test_a_fresh_optimizer_resumes_from_a_checkpoint_before_its_first_step(tmp_path):
+    """`--resume` restores into an optimizer that has no slots yet: they must arrive when it builds them."""
+    def train(strategy, optimizer, var, steps):
+        grads = strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.full(3, ctx.replica_id_in_sync_group + 1.0, np.float32))
+        for _ in range(steps):
+            strategy.run(lambda g: optimizer.apply_gradients([(g, var)]), args=(grads,))
+
+    four = distrib.MirroredStrategy([f"CPU:{i}" for i in range(4)])
+    with four.scope():
+        var = distrib.Variable(np.ones(3, np.float32), name="w")
+    adam = distrib.optimizers.Adam(0.1)
+    train(four, adam, var, 3)
+    path = distrib.Checkpoint(w=var, opt=adam).save(str(tmp_path / "ckpt"))
+    train(four, adam, var, 2)
+    uninterrupted = var.numpy()
+
+    two = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    with two.scope():
+        resumed_var = distrib.Variable(np.zeros(3, np.float32), name="w")
+    resumed = distrib.optimizers.Adam(0.1)
+    distrib.Checkpoint(w=resumed_var, opt=resumed).restore(path)
+    grads = two.experimental_distribute_values_from_function(  # the same mean gradient, 2.5, as on 4 replicas
+        lambda ctx: np.full(3, 2.0 + ctx.replica_id_in_sync_group, np.float32))
+    for _ in range(2):
+        two.run(lambda g: resumed.apply_gradients([(g, resumed_var)]), args=(grads,))
+    assert int(resumed.iterations.numpy()) == 5
+    np.testing.assert_allclose(resumed_var.numpy(), uninterrupted, rtol=1e-6)
