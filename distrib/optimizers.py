@@ -51,8 +51,9 @@ class Optimizer:
     computed in float32 and rounded into the variable). `variables()` lists `iterations` and the slots, for
     checkpoints; `build(var_list)` creates them before the first step, e.g. to restore a checkpoint.
 
-    Subclasses list `slot_names` and implement `_coefficients` (per-step scalars) and `_update_device` (the
-    update of a list of variable copies on one device), which a fused device kernel could replace.
+    Subclasses list `slot_names`, implement `_coefficients` (per-step scalars) and `_update_device` (the update
+    of a list of variable copies on one device), and name their `_rule`, which a backend may apply instead as
+    fused kernels (`Backend.fused_optimizer_update`); `_update_device` stays the reference.
 
     Args:
       learning_rate: the step size, a float; may be changed between steps.
@@ -69,6 +70,7 @@ class Optimizer:
     """
 
     slot_names: tuple[str, ...] = ()
+    _rule = ""  # the update's name for Backend.fused_optimizer_update
 
     def __init__(self, learning_rate: float, name: str):
         self.learning_rate = learning_rate
@@ -162,21 +164,25 @@ class Optimizer:
         destinations = [v if isinstance(v, DistributedVariable) else v.device for v in variables]
         reduced = extended.batch_reduce_to(ReduceOp.MEAN, list(zip(grads, destinations)))
         step = int(self.iterations.numpy()) + 1
-        coefficients = {dtype: self._coefficients(dtype, step)
-                        for dtype in {_compute_dtype(v.dtype) for v in variables}}
+        groups: dict[tuple[str, np.dtype], list] = {}  # (device, compute dtype) -> [(copy, gradient, slot copies)]
         for var, grad in zip(variables, reduced):
             slots = [PerReplica(s.values) if isinstance(s, DistributedVariable) else s
                      for s in self._slots[var].values()]  # update hands each copy its own slot copies
-            extended.update(var, self._update_copy, args=(grad, coefficients[_compute_dtype(var.dtype)], *slots),
-                            group=False)
+            extended.update(var, self._collect, args=(groups, grad, *slots), group=False)
+        backend = extended.backend
+        for (device, dtype), items in groups.items():  # the backend's fused kernels if it has them, else array math
+            coefficients = self._coefficients(dtype, step)
+            with backend.device_scope(device):
+                if not backend.fused_optimizer_update(self._rule, items, coefficients):
+                    self._update_device(backend.xp, items, coefficients)
         self.iterations.assign_add(1)
         return self.iterations
 
-    def _update_copy(self, component: Variable, grad: Any, coefficients: tuple, *slots: Variable) -> None:
-        """`extended.update`'s fn: one copy of one variable, on its device."""
-        backend = self._strategy.extended.backend
-        grad = backend.to_device(grad, component.device).astype(_compute_dtype(component.dtype), copy=False)
-        self._update_device(backend.xp, [(component, grad, slots)], coefficients)
+    def _collect(self, component: Variable, groups: dict, grad: Any, *slots: Variable) -> None:
+        """`extended.update`'s fn: files one copy of one variable, with its gradient on its device, by group."""
+        dtype = _compute_dtype(component.dtype)
+        grad = self._strategy.extended.backend.to_device(grad, component.device).astype(dtype, copy=False)
+        groups.setdefault((component.device, dtype), []).append((component, grad, slots))
 
     def _update_device(self, xp: Any, items: list[tuple[Variable, Any, tuple]], coefficients: tuple) -> None:
         """Updates (variable copy, gradient, slot copies) triples on one device, writing in place."""
@@ -293,6 +299,12 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self.slot_names = ("momentum",) if self.momentum else ()
 
+    @property
+    def _rule(self) -> str:
+        if not self.slot_names:
+            return "sgd"
+        return "nesterov" if self.nesterov else "momentum"
+
     def _coefficients(self, dtype, step):
         return dtype.type(self.learning_rate), dtype.type(self.momentum)
 
@@ -344,6 +356,7 @@ class Adam(Optimizer):
     """
 
     slot_names = ("m", "v")
+    _rule = "adam"
 
     def __init__(self, learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
                  epsilon: float = 1e-7, name: str = "Adam"):

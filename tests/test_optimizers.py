@@ -196,6 +196,61 @@ def test_one_merge_call_and_one_packed_reduction_per_step(strategies, monkeypatc
     assert len(all_reduces) == 1
 
 
+# -- the backend's fused update ------------------------------------------------------------------------
+
+
+MIXED = [np.zeros((2, 2), np.float32), np.zeros(3, np.float16), np.zeros(4, np.float64), np.zeros(5, np.float32)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_the_backend_is_offered_each_devices_update_once_per_compute_dtype(strategies, monkeypatch, config):
+    strategy, (make_optimizer, _) = strategies[4], CONFIGS[config]
+    variables = make_variables(strategy, MIXED)
+    opt = make_optimizer()
+    offers = []
+
+    def decline(rule, items, coefficients):
+        offers.append((rule, [(var, grad.dtype, len(slots)) for var, grad, slots in items], coefficients))
+        return False
+
+    monkeypatch.setattr(strategy.extended.backend, "fused_optimizer_update", decline)
+    apply_in_replicas(strategy, opt, variables, lambda r: [np.ones(v.shape, v.dtype) for v in variables])
+    by_group = {(items[0][0].device, items[0][1]): (rule, items, coefficients) for rule, items, coefficients in offers}
+    assert len(offers) == len(by_group) == 2 * len(FOUR)  # float32 (with the float16 variable), float64; per device
+    for (device, math), (rule, items, coefficients) in by_group.items():
+        members = [0, 1, 3] if math == np.float32 else [2]
+        assert rule == config
+        assert items == [(variables[m].values[FOUR.index(device)], math, len(opt.slot_names)) for m in members]
+        assert coefficients == opt._coefficients(math, 1) and all(c.dtype == math for c in coefficients)
+    for var in variables:  # declined: the optimizer applied the update itself
+        assert not np.array_equal(var.numpy(), np.zeros(var.shape))
+
+
+def test_an_update_the_backend_applied_is_not_applied_again(strategies, monkeypatch):
+    strategy = strategies[4]
+    variables = make_variables(strategy, MIXED)
+    opt, reference = optimizers.Adam(learning_rate=0.01), optimizers.Adam(learning_rate=0.01)
+    twins = make_variables(strategy, MIXED)
+
+    def apply(rule, items, coefficients):
+        opt._update_device(np, items, coefficients)
+        return True
+
+    for step in range(3):
+        grads = [np.full(v.shape, step + 1.0, v.dtype) for v in variables]
+        apply_in_replicas(strategy, reference, twins, lambda r: grads)
+        with monkeypatch.context() as patch:
+            patch.setattr(strategy.extended.backend, "fused_optimizer_update", apply)
+            apply_in_replicas(strategy, opt, variables, lambda r: grads)
+    for var, twin in zip(variables, twins):
+        for component, expected in zip(var.values, twin.values):
+            np.testing.assert_array_equal(component.numpy(), expected.numpy())
+
+
+def test_the_cpu_backend_leaves_the_update_to_the_optimizer(strategies):
+    assert strategies[4].extended.backend.fused_optimizer_update("sgd", [], ()) is False
+
+
 # -- data-parallel training -----------------------------------------------------------------------------
 
 

@@ -102,6 +102,16 @@ class Backend(abc.ABC):
     def add_n(self, arrays: Sequence[Any], device: str) -> Any:
         """The element-wise sum of same-shaped arrays, computed on `device` in list order."""
 
+    def fused_optimizer_update(self, rule: str, items: Sequence[tuple[Any, Any, tuple]], coefficients: tuple) -> bool:
+        """True if the backend applied an optimizer's update itself (e.g. as fused kernels); by default False.
+
+        `rule` is "sgd", "momentum", "nesterov" or "adam", whose math and `coefficients` (the step's scalars)
+        distrib/optimizers.py defines; `items` are (variable copy, gradient, slot copies) triples. A backend that
+        returns True has written the new values into each variable's and slot's `_writable()` buffer (copy on
+        write: values read earlier never change); one that returns False has changed nothing.
+        """
+        return False
+
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Waits until all queued work on every device is complete."""

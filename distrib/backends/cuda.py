@@ -14,7 +14,7 @@ import numpy as np
 from distrib.backends import cuda_devices, cuda_dtypes, nccl_comms
 from distrib.backends.base import Backend
 from distrib.backends.cpu import to_numpy
-from distrib.backends.cuda_kernels import Kernels
+from distrib.backends.cuda_kernels import UPDATE_DTYPES, UPDATE_SLOTS, Kernels, update_groups
 from distrib.collective.plan import Buffer
 from distrib.devices import parse_device
 from distrib.options import default_timeout
@@ -45,6 +45,20 @@ def _upload(host: np.ndarray) -> cupy.ndarray:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"CuPy {cupy.__version__} cannot hold dtype {host.dtype} on a GPU. Received: an array of "
                         f"dtype {host.dtype} and shape {host.shape}.") from exc
+
+
+def _fusable(rule: str, items: Sequence[tuple[Any, Any, tuple]]) -> bool:
+    """Whether optimizer.cu has a kernel for every item, each variable is listed once, and each gradient and slot
+    has the math dtype and the variable's shape and device (anything else would be read out of bounds)."""
+    if rule not in UPDATE_SLOTS or len({id(var) for var, _, _ in items}) < len(items):
+        return False
+    for var, grad, slots in items:
+        math = UPDATE_DTYPES.get(var.dtype.name)
+        if (math is None or len(slots) != UPDATE_SLOTS[rule] or not isinstance(grad, cupy.ndarray)
+                or grad.device.id != parse_device(var.device).index
+                or any(x.dtype != math or x.shape != var.shape for x in (grad, *slots))):
+            return False
+    return True
 
 
 class CudaBackend(Backend):
@@ -369,6 +383,21 @@ class CudaBackend(Backend):
             out = cupy.empty(shape, dtype)
             self._kernels.reduce(wire.dtype, out.size * wire.factor, sources, [out])
         return out
+
+    def fused_optimizer_update(self, rule, items, coefficients):
+        """optimizer.cu's kernels: one launch per device and parameter dtype, for SGD and Adam over float16
+        (float32 slots and math), float32 and float64 variables. Anything else, or a variable listed twice, is
+        left to the optimizer's array operations."""
+        if not _fusable(rule, items):
+            return False
+        groups = update_groups([(self._ordinal(var.device), var.dtype.name) for var, _, _ in items])
+        for (ordinal, _), positions in groups.items():
+            group = [items[k] for k in positions]
+            with self._on(ordinal):
+                self._kernels.update(rule, [var._writable() for var, _, _ in group],
+                                     [cupy.ascontiguousarray(grad) for _, grad, _ in group],
+                                     [[slot._writable() for slot in slots] for _, _, slots in group], coefficients)
+        return True
 
     def synchronize(self) -> None:
         for ordinal in list(self._streams):

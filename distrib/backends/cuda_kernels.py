@@ -3,6 +3,8 @@
 - `pack_w<W>` / `unpack_w<W>` (pack.cu) gather the members of a pack into its flat buffer, or scatter the flat
   buffer into the members, in one launch, moving W-byte words (W = 1, 2, 4, 8 or 16).
 - `reduce_<type>` (reduce.cu) sums same-device arrays in order into one or more outputs and divides for a mean.
+- `<rule>_<dtype>` (optimizer.cu) applies an optimizer's update to every same-device tensor of one dtype in one
+  launch: rule "sgd", "momentum", "nesterov" or "adam" over float16, float32 or float64 parameters.
 
 The sources ship inside the wheel as package data and compile with NVRTC on first use, once per device (CuPy
 caches the binaries on disk).
@@ -21,6 +23,8 @@ OPTIONS = ("--std=c++17",)
 BLOCK = 256
 MAX_BLOCKS = 8192  # grid-stride loops cover the rest; more blocks only add scheduling work
 WORD_SIZES = (16, 8, 4, 2, 1)
+UPDATE_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2}  # optimizer.cu's rules and their slot counts
+UPDATE_DTYPES = {"float16": "float32", "float32": "float32", "float64": "float64"}  # parameter -> math dtype
 
 
 def source(name: str) -> str:
@@ -67,6 +71,41 @@ def move_table(member_pointers: Sequence[int], member_nbytes: Sequence[int],
     return width, np.concatenate([np.asarray(member_pointers, np.int64), byte_offsets // width])
 
 
+def update_kernel(rule: str, dtype: str) -> str:
+    """The optimizer.cu kernel applying `rule` to parameters of `dtype` (a key of UPDATE_SLOTS, UPDATE_DTYPES)."""
+    return f"{rule}_{dtype}"
+
+
+def update_groups(keys: Sequence[Any]) -> dict[Any, list[int]]:
+    """The positions of the tensors each optimizer launch updates: one launch per key (device, dtype), in order.
+
+    Example:
+      >>> update_groups([(0, "float32"), (0, "float16"), (0, "float32")])
+      {(0, 'float32'): [0, 2], (0, 'float16'): [1]}
+    """
+    groups: dict[Any, list[int]] = {}
+    for position, key in enumerate(keys):
+        groups.setdefault(key, []).append(position)
+    return groups
+
+
+def update_table(params: Sequence[int], grads: Sequence[int], slots: Sequence[Sequence[int]],
+                 sizes: Sequence[int]) -> np.ndarray:
+    """The int64 table of an optimizer launch: parameter, gradient and slot pointers, then element offsets.
+
+    `slots[t]` holds tensor t's slot pointers; the table lists them slot by slot (every tensor's first slot, then
+    every tensor's second), and tensor t owns elements [offsets[t], offsets[t + 1]).
+
+    Example:
+      >>> update_table([0x10, 0x20], [0x30, 0x40], [(0x50, 0x70), (0x60, 0x80)], [3, 5]).tolist()
+      [16, 32, 48, 64, 80, 96, 112, 128, 0, 3, 8]
+    """
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    by_slot = np.asarray(slots, np.int64).reshape(len(sizes), -1).T.ravel()
+    return np.concatenate([np.asarray(params, np.int64), np.asarray(grads, np.int64), by_slot, offsets])
+
+
 class Kernels:
     """Compiled kernels, launched on the current device and stream."""
 
@@ -108,3 +147,17 @@ class Kernels:
             kernel((blocks(count),), (BLOCK,), (cupy.asarray(table), np.int32(len(sources)),
                                                  np.int32(len(outputs)), np.int64(count), np.int32(divisor)))
 
+    def update(self, rule: str, params: Sequence[Any], grads: Sequence[Any], slots: Sequence[Sequence[Any]],
+               coefficients: Sequence[Any]) -> None:
+        """Applies `rule` in place to contiguous params of one dtype and their slots (math dtype): one launch."""
+        import cupy
+
+        dtype = params[0].dtype.name
+        table = update_table([p.data.ptr for p in params], [g.data.ptr for g in grads],
+                             [[s.data.ptr for s in tensor_slots] for tensor_slots in slots], [p.size for p in params])
+        total = int(table[-1])
+        if total:
+            math = np.dtype(UPDATE_DTYPES[dtype]).type
+            kernel = self.function("optimizer.cu", update_kernel(rule, dtype))
+            kernel((blocks(total),), (BLOCK,), (cupy.asarray(table), np.int32(len(params)),
+                                                 *(math(c) for c in coefficients)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 import re
@@ -13,11 +14,12 @@ import zipfile
 import numpy as np
 import pytest
 
-from distrib import backends
+from distrib import backends, optimizers
 from distrib.backends import cuda_devices, cuda_dtypes, cuda_kernels
 from distrib.backends.cuda_devices import Gpu, format_uuid, visible_gpus
 from distrib.collective.plan import plan_by_size, plan_concat_split
 from distrib.errors import BackendUnavailableError
+from distrib.variables import Variable
 
 cupy = pytest.importorskip("cupy", reason="CuPy comes with distrib[test]")
 cuda = pytest.importorskip("distrib.backends.cuda")
@@ -112,6 +114,7 @@ def nvrtc_or_skip():
     return nvrtc
 
 
+@functools.cache
 def compile_to_ptx(path: pathlib.Path, arch: str) -> str:
     """PTX for `arch` from NVRTC alone: no GPU, no driver."""
     nvrtc = nvrtc_or_skip()
@@ -130,11 +133,13 @@ def entry_points(source: str) -> set[str]:
     """The kernels a source defines through its DISTRIB_*_KERNEL(S) macros."""
     moves = re.findall(r"^DISTRIB_MOVE_KERNELS\([^,]+, (\w+)\)", source, re.M)
     reduces = re.findall(r"^DISTRIB_REDUCE_KERNEL\((\w+),", source, re.M)
-    return {f"{kind}_{w}" for w in moves for kind in ("pack", "unpack")} | {f"reduce_{t}" for t in reduces}
+    updates = re.findall(r"^DISTRIB_OPTIMIZER_KERNELS\([^,]+, (\w+),", source, re.M)
+    return ({f"{kind}_{w}" for w in moves for kind in ("pack", "unpack")} | {f"reduce_{t}" for t in reduces}
+            | {cuda_kernels.update_kernel(rule, d) for d in updates for rule in cuda_kernels.UPDATE_SLOTS})
 
 
 def test_there_are_kernel_sources():
-    assert [p.name for p in KERNEL_FILES] == ["pack.cu", "reduce.cu"]
+    assert [p.name for p in KERNEL_FILES] == ["optimizer.cu", "pack.cu", "reduce.cu"]
 
 
 @pytest.mark.parametrize("arch", ["compute_75", "compute_90"])
@@ -153,6 +158,38 @@ def test_the_move_kernels_cover_every_word_size():
 def test_the_reduce_kernels_are_exactly_the_kernel_wire_types():
     kernels = {name.removeprefix("reduce_") for name in entry_points(cuda_kernels.source("reduce.cu"))}
     assert kernels == {wire.dtype for wire in cuda_dtypes.KERNEL_WIRES.values()}
+
+
+def test_the_optimizer_kernels_are_exactly_the_launchers_rules_and_dtypes():
+    assert entry_points(cuda_kernels.source("optimizer.cu")) == {
+        cuda_kernels.update_kernel(rule, dtype) for rule in cuda_kernels.UPDATE_SLOTS
+        for dtype in cuda_kernels.UPDATE_DTYPES}
+
+
+OPTIMIZERS = {"sgd": optimizers.SGD(), "momentum": optimizers.SGD(momentum=0.9),
+              "nesterov": optimizers.SGD(momentum=0.9, nesterov=True), "adam": optimizers.Adam()}
+
+
+@pytest.mark.parametrize("arch", ["compute_75", "compute_90"])
+@pytest.mark.parametrize("dtype", cuda_kernels.UPDATE_DTYPES)
+@pytest.mark.parametrize("rule", OPTIMIZERS)
+def test_each_optimizer_kernel_takes_the_table_then_the_optimizers_coefficients(rule, dtype, arch):
+    opt, math = OPTIMIZERS[rule], np.dtype(cuda_kernels.UPDATE_DTYPES[dtype])
+    assert opt._rule == rule and len(opt.slot_names) == cuda_kernels.UPDATE_SLOTS[rule]
+    ptx = compile_to_ptx(cuda_kernels.SOURCES / "optimizer.cu", arch)
+    name = cuda_kernels.update_kernel(rule, dtype)
+    (parameters,) = re.findall(rf"\.visible \.entry {name}\(([^)]*)\)", ptx)
+    coefficients = opt._coefficients(math, 1)
+    assert re.findall(r"\.param \.(\w+)", parameters) == ["u64", "u32"] + [f"f{math.itemsize * 8}"] * len(
+        coefficients)
+
+
+@pytest.mark.parametrize("arch", ["compute_75", "compute_90"])
+def test_the_optimizer_kernels_round_every_operation_as_numpy_does(arch):
+    ptx = compile_to_ptx(cuda_kernels.SOURCES / "optimizer.cu", arch)
+    ops = re.findall(r"\b(add|sub|mul|div|sqrt|fma|mad|rcp|rsqrt)\.((?:\w+\.)*)f(?:32|64)\b", ptx)
+    assert {op for op, _ in ops} == {"add", "sub", "mul", "div", "sqrt"}  # nothing fused, nothing approximate
+    assert {modifiers for _, modifiers in ops} == {"rn."}  # IEEE round to nearest, subnormals kept
 
 
 def test_the_kernels_ship_in_the_wheel(tmp_path):
@@ -216,6 +253,26 @@ def test_the_move_table_uses_the_widest_word_every_address_allows():
     assert cuda_kernels.move_table([512, 2048], [4002, 96], 8192)[0] == 2  # a member of 4002 bytes
     width, table = cuda_kernels.move_table([512, 2048], [4000, 96], 8192)
     assert table.dtype == np.int64 and table.tolist() == [512, 2048, 0, 250, 256]
+
+
+@pytest.mark.parametrize("sizes, slots", [([3, 5], 2), ([1], 0), ([4, 0, 2, 7], 1), ([0, 0, 1], 2), ([2] * 30, 1)])
+def test_the_update_table_gives_each_element_its_tensors_pointers(sizes, slots):
+    count = len(sizes)
+    params = [0x10000 * (t + 1) for t in range(count)]
+    grads = [p + 0x1000 for p in params]
+    slot_pointers = [[p + 0x2000 * (j + 1) for j in range(slots)] for p in params]
+    table = cuda_kernels.update_table(params, grads, slot_pointers, sizes).tolist()
+    offsets = table[(2 + slots) * count:]
+    seen = []
+    for i in range(offsets[count]):  # the kernel's indexing, element by element
+        t = member_of(offsets, i)
+        seen.append((table[t], table[count + t], [table[(2 + j) * count + t] for j in range(slots)], i - offsets[t]))
+    assert seen == [(params[t], grads[t], slot_pointers[t], k) for t, size in enumerate(sizes) for k in range(size)]
+
+
+def test_optimizer_launches_group_tensors_by_device_and_dtype_in_order():
+    keys = [(0, "float32"), (1, "float32"), (0, "float16"), (0, "float32"), (1, "float32")]
+    assert cuda_kernels.update_groups(keys) == {(0, "float32"): [0, 3], (1, "float32"): [1, 4], (0, "float16"): [2]}
 
 
 def test_grids_are_bounded_and_never_empty():
@@ -400,6 +457,19 @@ def test_the_backend_names_every_visible_gpu(two_gpus):
 def test_gpus_may_repeat_for_replicas_that_share_one(two_gpus):
     for device in ("GPU:0", "/gpu:1", "/job:localhost/replica:0/task:0/device:GPU:1"):
         two_gpus.check_device(device)
+
+
+@pytest.mark.parametrize("rule, dtype, slots", [
+    ("rmsprop", np.float32, 1),  # no kernel for the rule
+    ("adam", np.int32, 2),  # nor for the dtype
+    ("momentum", np.float32, 2),  # a slot too many
+    ("sgd", np.float32, 0),  # a gradient that is not on a GPU
+])
+def test_what_optimizer_cu_cannot_take_is_left_to_the_optimizer(two_gpus, rule, dtype, slots):
+    var = Variable(np.zeros(3, dtype), name="w")
+    items = [(var, np.ones(3, dtype), tuple(Variable(np.zeros(3, dtype)) for _ in range(slots)))]
+    assert two_gpus.fused_optimizer_update(rule, items, (np.float32(0.1), np.float32(0.9))) is False
+    np.testing.assert_array_equal(var.numpy(), np.zeros(3, dtype))
 
 
 @pytest.mark.parametrize("device, message", [

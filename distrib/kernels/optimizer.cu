@@ -1,0 +1,145 @@
+// Optimizer updates: one launch applies SGD (plain, momentum, Nesterov) or Adam to every tensor of a group.
+//
+// The math is distrib/optimizers.py's `_update_device`, operation by operation, so results match the NumPy path
+// bit for bit: every operation is one IEEE operation rounded to nearest (the _rn intrinsics, which the compiler
+// never contracts into fused multiply-adds), in the math type: float for float16 and float32 parameters, double
+// for float64. Gradients and slots have the math type; a float16 parameter is widened to float, updated in
+// float and rounded back to float16 (to nearest, ties to even), as NumPy's mixed-type subtract does.
+//
+// The table holds `count` parameter pointers, `count` gradient pointers, then the slots' pointers, `count` per
+// slot in the optimizer's slot order (momentum; or m, v), then `count + 1` prefix sums of the tensors' sizes:
+// tensor t owns elements [offsets[t], offsets[t + 1]). Each kernel takes its optimizer's `_coefficients` in order
+// (plain SGD ignores its momentum).
+//
+// One thread per element, grid-stride; a thread finds its tensor by binary search over the offsets, after first
+// checking the tensor it found last, as pack.cu does.
+
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short float_to_half(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// A float or double whose operators each round once, as NumPy's element-wise operations do.
+template <typename T>
+struct Exact {
+    T x;
+};
+
+typedef Exact<float> F;
+typedef Exact<double> D;
+
+__device__ __forceinline__ F operator+(F a, F b) { return {__fadd_rn(a.x, b.x)}; }
+__device__ __forceinline__ F operator-(F a, F b) { return {__fsub_rn(a.x, b.x)}; }
+__device__ __forceinline__ F operator*(F a, F b) { return {__fmul_rn(a.x, b.x)}; }
+__device__ __forceinline__ F operator/(F a, F b) { return {__fdiv_rn(a.x, b.x)}; }
+__device__ __forceinline__ F sqrt(F a) { return {__fsqrt_rn(a.x)}; }
+__device__ __forceinline__ D operator+(D a, D b) { return {__dadd_rn(a.x, b.x)}; }
+__device__ __forceinline__ D operator-(D a, D b) { return {__dsub_rn(a.x, b.x)}; }
+__device__ __forceinline__ D operator*(D a, D b) { return {__dmul_rn(a.x, b.x)}; }
+__device__ __forceinline__ D operator/(D a, D b) { return {__ddiv_rn(a.x, b.x)}; }
+__device__ __forceinline__ D sqrt(D a) { return {__dsqrt_rn(a.x)}; }
+
+// Parameters in their storage type (float16 as its 16-bit word) to and from the math type.
+__device__ __forceinline__ float widen(unsigned short h) { return half_to_float(h); }
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ double widen(double x) { return x; }
+__device__ __forceinline__ void narrow(unsigned short* p, float x) { *p = float_to_half(x); }
+__device__ __forceinline__ void narrow(float* p, float x) { *p = x; }
+__device__ __forceinline__ void narrow(double* p, double x) { *p = x; }
+
+// The rules: each updates one element's slots (pointers into them, `s`) and returns the new parameter value.
+
+template <typename T>
+struct Sgd {  // var -= lr * g
+    static const int kSlots = 0;
+    Exact<T> lr;
+    __device__ Exact<T> operator()(Exact<T> var, Exact<T> g, T* const*) const { return var - lr * g; }
+};
+
+template <typename T, bool kNesterov>
+struct Momentum {  // m = momentum * m - lr * g; var += m, or var += momentum * m - lr * g (Nesterov)
+    static const int kSlots = 1;
+    Exact<T> lr, momentum;
+    __device__ Exact<T> operator()(Exact<T> var, Exact<T> g, T* const* s) const {
+        Exact<T> m = momentum * Exact<T>{*s[0]} - lr * g;
+        *s[0] = m.x;
+        return kNesterov ? var + (momentum * m - lr * g) : var + m;
+    }
+};
+
+template <typename T>
+struct Adam {  // m += (g - m) * (1 - beta_1); v += (g * g - v) * (1 - beta_2); var -= m * lr_t / (sqrt(v) + epsilon)
+    static const int kSlots = 2;
+    Exact<T> lr_t, one_minus_beta_1, one_minus_beta_2, epsilon;
+    __device__ Exact<T> operator()(Exact<T> var, Exact<T> g, T* const* s) const {
+        Exact<T> m = {*s[0]}, v = {*s[1]};
+        m = m + (g - m) * one_minus_beta_1;
+        v = v + (g * g - v) * one_minus_beta_2;
+        *s[0] = m.x;
+        *s[1] = v.x;
+        return var - m * lr_t / (sqrt(v) + epsilon);
+    }
+};
+
+__device__ __forceinline__ int tensor_of(const long long* offsets, int count, long long i, int guess) {
+    if (offsets[guess] <= i && i < offsets[guess + 1]) {
+        return guess;
+    }
+    int lo = 0, hi = count;  // offsets[lo] <= i < offsets[hi]; empty tensors are skipped over
+    while (hi - lo > 1) {
+        int mid = (lo + hi) >> 1;
+        if (offsets[mid] <= i) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+template <typename P, typename T, typename Rule>
+__device__ void update(const long long* table, int count, Rule rule) {
+    P* const* params = reinterpret_cast<P* const*>(table);
+    const T* const* grads = reinterpret_cast<const T* const*>(table + count);
+    T* const* slots = reinterpret_cast<T* const*>(table + 2 * count);
+    const long long* offsets = table + (2 + Rule::kSlots) * count;
+    const long long total = offsets[count];
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    int t = 0;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        t = tensor_of(offsets, count, i, t);
+        const long long k = i - offsets[t];
+        T* s[Rule::kSlots > 0 ? Rule::kSlots : 1];
+        for (int j = 0; j < Rule::kSlots; ++j) {
+            s[j] = slots[j * count + t] + k;
+        }
+        P* param = params[t] + k;
+        narrow(param, rule(Exact<T>{widen(*param)}, Exact<T>{grads[t][k]}, s).x);
+    }
+}
+
+#define DISTRIB_OPTIMIZER_KERNELS(P, NAME, T)                                                                   \
+    extern "C" __global__ void sgd_##NAME(const long long* table, int count, T lr, T momentum) {                \
+        update<P, T>(table, count, Sgd<T>{{lr}});                                                                \
+    }                                                                                                            \
+    extern "C" __global__ void momentum_##NAME(const long long* table, int count, T lr, T momentum) {           \
+        update<P, T>(table, count, Momentum<T, false>{{lr}, {momentum}});                                        \
+    }                                                                                                            \
+    extern "C" __global__ void nesterov_##NAME(const long long* table, int count, T lr, T momentum) {           \
+        update<P, T>(table, count, Momentum<T, true>{{lr}, {momentum}});                                         \
+    }                                                                                                            \
+    extern "C" __global__ void adam_##NAME(const long long* table, int count, T lr_t, T one_minus_beta_1,       \
+                                           T one_minus_beta_2, T epsilon) {                                      \
+        update<P, T>(table, count, Adam<T>{{lr_t}, {one_minus_beta_1}, {one_minus_beta_2}, {epsilon}});        \
+    }
+
+DISTRIB_OPTIMIZER_KERNELS(unsigned short, float16, float)
+DISTRIB_OPTIMIZER_KERNELS(float, float32, float)
+DISTRIB_OPTIMIZER_KERNELS(double, float64, double)
