@@ -12,6 +12,8 @@ caches the binaries on disk).
 
 from __future__ import annotations
 
+import re
+
 import threading
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -27,9 +29,15 @@ UPDATE_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2}  # optimizer.
 UPDATE_DTYPES = {"float16": "float32", "float32": "float32", "float64": "float64"}  # parameter -> math dtype
 
 
+_INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
+
+
 def source(name: str) -> str:
-    """The CUDA C source of `name` (e.g. "pack.cu")."""
-    return (SOURCES / name).read_text()
+    """The CUDA C source of `name` (e.g. "pack.cu"), with its local `#include "x.cuh"` lines inlined.
+
+    Inlining keeps NVRTC free of include paths, which would have to point into the installed package.
+    """
+    return _INCLUDE.sub(lambda match: source(match.group(1)), (SOURCES / name).read_text())
 
 
 def blocks(count: int) -> int:

@@ -14,17 +14,7 @@
 // One thread per element, grid-stride; a thread finds its tensor by binary search over the offsets, after first
 // checking the tensor it found last, as pack.cu does.
 
-__device__ __forceinline__ float half_to_float(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ unsigned short float_to_half(float f) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
+#include "half.cuh"
 
 // A float or double whose operators each round once, as NumPy's element-wise operations do.
 template <typename T>

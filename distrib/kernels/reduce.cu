@@ -10,17 +10,7 @@
 //
 // The table holds n_src source pointers, then n_out output pointers. One thread per element, grid-stride.
 
-__device__ __forceinline__ float half_to_float(unsigned short h) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-__device__ __forceinline__ unsigned short float_to_half(float f) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
+#include "half.cuh"
 
 __device__ __forceinline__ float bfloat16_to_float(unsigned short b) {
     return __uint_as_float((unsigned int)b << 16);
