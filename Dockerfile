@@ -1,4 +1,4 @@
-# distrib's main job (examples/quickstart.py) on the host's GPUs:
+# distrib's main job (`distrib train`, the README's first command) on the host's GPUs:
 #   docker build -t distrib . && docker run --rm --gpus all distrib
 FROM nvidia/cuda:12.6.3-runtime-ubuntu24.04
 
@@ -17,9 +17,10 @@ WORKDIR /opt/distrib
 COPY pyproject.toml README.md ./
 COPY distrib ./distrib
 COPY examples ./examples
-RUN pip install --no-cache-dir "/opt/distrib[cuda12]"
+RUN pip install --no-cache-dir "/opt/distrib[cuda12,train]"
 
-# the Ubuntu 24.04 image's own unprivileged user, "ubuntu"
+# the Ubuntu 24.04 image's own unprivileged user, "ubuntu", writing its run directory under its home
 USER 1000
+WORKDIR /home/ubuntu
 
-CMD ["python", "examples/quickstart.py"]
+CMD ["distrib", "train"]

@@ -1,0 +1,375 @@
+"""The main job, `distrib train`: a data-parallel MLP on the bundled 8x8 digits, with checkpoints and a loss curve.
+
+Global batch semantics: each step takes one shuffled global batch, splits it evenly over the replicas, and each
+replica computes the gradient of the MEAN loss over its own rows; the optimizer MEAN-reduces those gradients.
+With local batches of equal size, the mean of the local means is the mean over the global batch, so N replicas
+take the same step as one replica on the whole batch. That is why the global batch size must divide evenly
+over the replicas, and why the partial last batch of an epoch is dropped rather than split unevenly: every step
+then weighs every row equally, every step has the same shapes (which GPU kernels like), and since each epoch
+reshuffles, a different handful of rows sits out each time. Evaluation needs no such care: it SUMs counts of
+correct predictions, so it uses every test row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import distrib
+import distrib.optimizers
+from distrib.datasets import DIGITS_CLASSES, load_digits
+
+DEFAULT_LEARNING_RATES = {"adam": 0.003, "sgd": 0.05}
+
+
+# -- the model ---------------------------------------------------------------------------------------------
+
+class MLP:
+    """64 -> hidden -> 10 with ReLU and softmax cross-entropy; forward and backward written out in `xp`.
+
+    Weights are float32 distrib.Variables (create the model under `strategy.scope()`); the forward and backward
+    passes run in `dtype` (float32, or float16/bfloat16 for mixed precision), the loss in float32.
+    """
+
+    def __init__(self, xp, features: int, hidden: int, classes: int, seed: int):
+        self.xp = xp
+        rng = np.random.default_rng(seed)
+
+        def he_normal(fan_in: int, fan_out: int) -> np.ndarray:
+            return rng.normal(0.0, np.sqrt(2.0 / fan_in), size=(fan_in, fan_out)).astype(np.float32)
+
+        self.variables = {
+            "hidden_kernel": distrib.Variable(he_normal(features, hidden), name="hidden/kernel"),
+            "hidden_bias": distrib.Variable(np.zeros(hidden, np.float32), name="hidden/bias"),
+            "output_kernel": distrib.Variable(he_normal(hidden, classes), name="output/kernel"),
+            "output_bias": distrib.Variable(np.zeros(classes, np.float32), name="output/bias"),
+        }
+
+    def _weights(self, dtype) -> tuple:
+        return tuple(v.read_value().astype(dtype, copy=False) for v in self.variables.values())
+
+    def logits(self, x, dtype):
+        """Class scores (float32) for a batch of rows."""
+        w1, b1, w2, b2 = self._weights(dtype)
+        hidden = self.xp.maximum(x.astype(dtype, copy=False) @ w1 + b1, 0)
+        return (hidden @ w2 + b2).astype(self.xp.float32)
+
+    def loss_and_gradients(self, x, y, dtype) -> tuple:
+        """The mean cross-entropy over this batch, and its float32 gradients in the order of `variables`."""
+        xp = self.xp
+        w1, b1, w2, b2 = self._weights(dtype)
+        x = x.astype(dtype, copy=False)
+        pre_activation = x @ w1 + b1
+        hidden = xp.maximum(pre_activation, 0)
+        logits = (hidden @ w2 + b2).astype(xp.float32)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
+        rows = xp.arange(len(y))
+        loss = -log_probs[rows, y].mean()
+
+        d_logits = xp.exp(log_probs)  # softmax - one_hot, over the batch size: the gradient of the mean loss
+        d_logits[rows, y] -= 1
+        d_logits = (d_logits / len(y)).astype(dtype)
+        d_hidden = (d_logits @ w2.T) * (pre_activation > 0)
+        grads = (x.T @ d_hidden, d_hidden.sum(axis=0), hidden.T @ d_logits, d_logits.sum(axis=0))
+        return loss, [g.astype(xp.float32) for g in grads]
+
+
+def compute_dtype(precision: str, xp):
+    """The array dtype for `--precision` on this array module; ValueError where it has none."""
+    if precision != "bfloat16":
+        return xp.dtype(precision)
+    if xp is not np:
+        raise ValueError(f"--precision bfloat16 is not available: {xp.__name__} has no bfloat16 arrays. "
+                         f"Use --precision float16.")
+    if importlib.util.find_spec("ml_dtypes") is None:
+        raise ValueError("--precision bfloat16 on the CPU emulator needs ml_dtypes (NumPy has no bfloat16 of its "
+                         "own): pip install ml_dtypes, or use --precision float16.")
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def make_optimizer(name: str, learning_rate: float, momentum: float | None):
+    """Adam or SGD from distrib.optimizers (create it under `strategy.scope()`)."""
+    if name == "adam":
+        return distrib.optimizers.Adam(learning_rate=learning_rate)
+    return distrib.optimizers.SGD(learning_rate=learning_rate, momentum=momentum or 0.0)
+
+
+# -- input ---------------------------------------------------------------------------------------------
+
+def epoch_batches(x: np.ndarray, y: np.ndarray, global_batch_size: int, seed: int, epoch: int):
+    """The epoch's full global batches, shuffled by (seed, epoch); the partial last batch is dropped."""
+    order = np.random.default_rng([seed, epoch]).permutation(len(x))
+    for start in range(0, len(order) - global_batch_size + 1, global_batch_size):
+        rows = order[start:start + global_batch_size]
+        yield x[rows], y[rows]
+
+
+def test_batches(x: np.ndarray, y: np.ndarray, global_batch_size: int):
+    """The test set in order, the last batch partial."""
+    for start in range(0, len(x), global_batch_size):
+        yield x[start:start + global_batch_size], y[start:start + global_batch_size]
+
+
+# -- what a run leaves behind ----------------------------------------------------------------------------
+
+@dataclass
+class History:
+    """Per-step training loss and per-epoch test accuracy; saved beside the checkpoint as JSON."""
+
+    step_loss: list[float] = field(default_factory=list)
+    epoch_end_step: list[int] = field(default_factory=list)
+    test_accuracy: list[float] = field(default_factory=list)
+
+    def end_epoch(self, test_accuracy: float) -> None:
+        self.epoch_end_step.append(len(self.step_loss))
+        self.test_accuracy.append(test_accuracy)
+
+    def save(self, path: Path) -> None:
+        """Writes atomically: a crash leaves the previous file."""
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(asdict(self)))
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path: Path, epochs: int) -> "History":
+        """The first `epochs` epochs of a saved history (it is saved before the checkpoint, so it may hold more)."""
+        saved = cls(**json.loads(path.read_text())) if path.exists() else cls()
+        steps = saved.epoch_end_step[epochs - 1] if 0 < epochs <= len(saved.epoch_end_step) else 0
+        return cls(saved.step_loss[:steps], saved.epoch_end_step[:epochs], saved.test_accuracy[:epochs])
+
+
+def plot_history(history: History, path: Path) -> None:
+    """Writes the loss curve (per step) above the test accuracy (per epoch) as a PNG, with matplotlib's Agg."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 6), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss_axes, accuracy_axes = figure.subplots(2, 1, sharex=True)
+    loss_axes.plot(np.arange(1, len(history.step_loss) + 1), history.step_loss, linewidth=0.8)
+    loss_axes.set(yscale="log", ylabel="training loss (global batch mean)", title="distrib train: digits MLP")
+    loss_axes.grid(alpha=0.3)
+    accuracy_axes.plot(history.epoch_end_step, np.multiply(history.test_accuracy, 100), marker="o")
+    accuracy_axes.set(xlabel="step", ylabel="test accuracy (%)")
+    accuracy_axes.grid(alpha=0.3)
+    figure.savefig(path, dpi=100)
+
+
+# -- progress ------------------------------------------------------------------------------------------
+
+class PlainProgress:
+    """One line per epoch, for logs and terminals without rich."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+    def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:
+        self._label = f"epoch {epoch + 1}/{epochs}"
+
+    def step(self, loss: float, samples_per_second: float) -> None:
+        self._loss, self._rate = loss, samples_per_second
+
+    def end_epoch(self, test_accuracy: float) -> None:
+        print(f"{self._label}  loss {self._loss:.4f}  test accuracy {test_accuracy:.2%}  "
+              f"{self._rate:,.0f} samples/s", flush=True)
+
+
+class RichProgress(PlainProgress):
+    """A bar per epoch with the live loss and throughput, then the epoch's test accuracy."""
+
+    def __init__(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        self._bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                              TextColumn("loss {task.fields[loss]:.4f}"),
+                              TextColumn("{task.fields[rate]:>7,.0f} samples/s"), TimeElapsedColumn(),
+                              TextColumn("{task.fields[accuracy]}"))
+
+    def __enter__(self):
+        self._bars.__enter__()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._bars.__exit__(*exc_info)
+
+    def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:
+        self._task = self._bars.add_task(f"epoch {epoch + 1}/{epochs}", total=steps, loss=float("nan"), rate=0.0,
+                                         accuracy="")
+
+    def step(self, loss: float, samples_per_second: float) -> None:
+        self._bars.update(self._task, advance=1, loss=loss, rate=samples_per_second)
+
+    def end_epoch(self, test_accuracy: float) -> None:
+        self._bars.update(self._task, accuracy=f"test accuracy {test_accuracy:.2%}")
+
+
+def progress_display() -> PlainProgress:
+    """Rich bars on a terminal, else plain lines; says once when rich is missing."""
+    if importlib.util.find_spec("rich") is None:
+        print("distrib train: rich is not installed, so no progress bar (pip install 'distrib[train]').",
+              file=sys.stderr)
+        return PlainProgress()
+    return RichProgress() if sys.stdout.isatty() else PlainProgress()
+
+
+# -- the loop --------------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    """What `train` reports: final test accuracy, time, throughput and where the files went."""
+
+    test_accuracy: float
+    epochs: int
+    seconds: float
+    samples_per_second: float
+    checkpoint: str
+    plot: Path | None
+    history: History
+
+
+def train(args: argparse.Namespace, strategy: distrib.Strategy) -> Result:
+    """Trains (or resumes) the digits MLP on `strategy` as `args` say; writes a checkpoint every epoch."""
+    start = time.perf_counter()
+    xp = strategy.extended.backend.xp
+    dtype = compute_dtype(args.precision, xp)
+    x_train, y_train, x_test, y_test = load_digits()
+    with strategy.scope():
+        model = MLP(xp, x_train.shape[1], args.hidden, DIGITS_CLASSES, args.seed)
+        optimizer = make_optimizer(args.optimizer, args.learning_rate, args.momentum)
+        epoch = distrib.Variable(np.int64(0), trainable=False, name="epoch")
+    checkpoint = distrib.Checkpoint(optimizer=optimizer, epoch=epoch, **model.variables)
+    checkpoint_path, history_path = args.out / "ckpt", args.out / "history.json"
+    history = History()
+    if args.resume:
+        checkpoint.restore(checkpoint_path)
+        history = History.load(history_path, int(epoch.numpy()))
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def train_step(x, y):
+        loss, grads = model.loss_and_gradients(x, y, dtype)
+        optimizer.apply_gradients(list(zip(grads, model.variables.values())))
+        return loss
+
+    def count_correct(x, y):
+        return (model.logits(x, dtype).argmax(axis=1) == y).sum()
+
+    def evaluate() -> float:
+        batches = strategy.experimental_distribute_dataset(test_batches(x_test, y_test, args.global_batch_size))
+        correct = sum(int(strategy.reduce("SUM", strategy.run(count_correct, args=batch), axis=None))
+                      for batch in batches)
+        return correct / len(x_test)
+
+    steps_per_epoch = len(x_train) // args.global_batch_size
+    trained_samples, training_seconds = 0, 0.0
+    saved = str(checkpoint_path)
+    with progress_display() as progress:
+        for epoch_index in range(int(epoch.numpy()), args.epochs):
+            progress.start_epoch(epoch_index, args.epochs, steps_per_epoch)
+            batches = epoch_batches(x_train, y_train, args.global_batch_size, args.seed, epoch_index)
+            epoch_start, epoch_samples = time.perf_counter(), 0
+            for batch in strategy.experimental_distribute_dataset(batches):
+                loss = float(strategy.reduce("MEAN", strategy.run(train_step, args=batch), axis=None))
+                history.step_loss.append(loss)
+                epoch_samples += args.global_batch_size
+                progress.step(loss, epoch_samples / (time.perf_counter() - epoch_start))
+            training_seconds += time.perf_counter() - epoch_start
+            trained_samples += epoch_samples
+            history.end_epoch(evaluate())
+            epoch.assign(np.int64(epoch_index + 1))
+            history.save(history_path)  # before the checkpoint, so a crash between the two loses nothing
+            saved = checkpoint.save(checkpoint_path)
+            progress.end_epoch(history.test_accuracy[-1])
+
+    accuracy = history.test_accuracy[-1] if history.test_accuracy else evaluate()
+    plot = None
+    if importlib.util.find_spec("matplotlib") is None:
+        print("distrib train: matplotlib is not installed, so no loss-curve PNG (pip install 'distrib[train]').",
+              file=sys.stderr)
+    elif history.step_loss:
+        plot = args.out / "loss.png"
+        plot_history(history, plot)
+    return Result(accuracy, int(epoch.numpy()), time.perf_counter() - start,
+                  trained_samples / training_seconds if training_seconds else 0.0, saved, plot, history)
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="distrib train", description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, help="emulated CPU replicas (default: every GPU with the CUDA "
+                                                     "backend, else $DISTRIB_CPU_REPLICAS or 2)")
+    parser.add_argument("--epochs", type=int, default=20,
+                        help="total epochs, counting those a resumed checkpoint already ran (default 20)")
+    parser.add_argument("--global-batch-size", type=int, default=64,
+                        help="rows per step over all replicas; must divide evenly over them (default 64)")
+    parser.add_argument("--learning-rate", type=float,
+                        help=f"default {DEFAULT_LEARNING_RATES['adam']} for adam, {DEFAULT_LEARNING_RATES['sgd']} "
+                             f"for sgd")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; sgd only)")
+    parser.add_argument("--precision", choices=("float32", "float16", "bfloat16"), default="float32",
+                        help="compute dtype of the forward and backward passes; weights stay float32")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden units (default 128)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffling")
+    parser.add_argument("--out", type=Path, default=Path("runs/digits"),
+                        help="run directory: ckpt, history.json, loss.png (default runs/digits)")
+    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    return parser
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag, for flag values that cannot work whatever the devices."""
+    for flag in ("replicas", "epochs", "global_batch_size", "hidden"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1. Received: {value}.")
+    if args.optimizer == "adam" and args.momentum is not None:
+        raise ValueError("--momentum applies to --optimizer sgd only.")
+    if args.resume and not (args.out / "ckpt").exists():
+        raise ValueError(f"--resume found no checkpoint at {args.out / 'ckpt'}: run without --resume first.")
+
+
+def make_strategy(args: argparse.Namespace) -> distrib.Strategy:
+    """The MirroredStrategy `--replicas` asks for; ValueError if the batch or precision cannot run on it."""
+    devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]
+    strategy = distrib.MirroredStrategy(devices)
+    replicas = strategy.num_replicas_in_sync
+    if args.global_batch_size % replicas:
+        raise ValueError(f"--global-batch-size must divide evenly over the {replicas} replicas, so that every "
+                         f"replica's batch mean weighs rows equally. Received: {args.global_batch_size}.")
+    compute_dtype(args.precision, strategy.extended.backend.xp)
+    return strategy
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parses the flags, trains, and prints the test accuracy, wall time and throughput."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_flags(args)
+        strategy = make_strategy(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.learning_rate is None:
+        args.learning_rate = DEFAULT_LEARNING_RATES[args.optimizer]
+    if args.optimizer == "sgd" and args.momentum is None:
+        args.momentum = 0.9
+    print(f"{strategy!r}: {strategy.num_replicas_in_sync} replicas, global batch {args.global_batch_size}, "
+          f"{args.optimizer} lr {args.learning_rate}, {args.precision}")
+    result = train(args, strategy)
+    print(f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epochs; {result.seconds:.1f} s, "
+          f"{result.samples_per_second:,.0f} samples/s")
+    print(f"checkpoint {result.checkpoint}" + (f", loss curve {result.plot}" if result.plot else ""))
+    return 0
