@@ -450,8 +450,9 @@ class DistributedDataset(_DatasetBase):
                 return _assemble(spec, _place(workers, options, per_replica))
             arrays, spec = _batch_leaves(batch, workers.backend, "dataset element")
             bounds = split_bounds(_rows(arrays, spec, "dataset element"), slices)[first:first + local]
-            self._record_spec(spec, arrays)
-            last_seen[:] = [spec, [a[:0].copy() for a in arrays]]  # copies: a view would pin the whole batch
+            if not last_seen:  # the shape of empty batches, fixed by the first batch as element_spec is
+                self._record_spec(spec, arrays)
+                last_seen[:] = [spec, [a[:0].copy() for a in arrays]]  # copies: a view would pin the whole batch
             per_replica = [[a[start:stop] for a in arrays] for start, stop in bounds]
             return _assemble(spec, _place(workers, options, per_replica))
 

@@ -18,6 +18,7 @@ _NAMESPACE = "distrib"
 # leaf), which matters when a step all-reduces hundreds of gradients.
 _LEAF_TYPES: set[type] = {int, float, complex, bool, str, bytes}
 _FLAT_SPECS: dict[tuple[type, int], optree.PyTreeSpec] = {}
+_DICT_SPECS: dict[tuple[str, ...], tuple[optree.PyTreeSpec, list[str]]] = {}
 
 
 def register_leaf_type(cls: type) -> None:
@@ -34,6 +35,14 @@ def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
         if spec is None:
             spec = _FLAT_SPECS[key] = optree.tree_structure(kind([0] * len(structure)), namespace=_NAMESPACE)
         return list(structure), spec
+    if kind is dict and all(type(k) is str for k in structure) and \
+            all(type(v) in _LEAF_TYPES for v in structure.values()):  # e.g. {"x": ..., "y": ...} batches
+        keys = tuple(structure)
+        cached = _DICT_SPECS.get(keys)
+        if cached is None:
+            cached = _DICT_SPECS[keys] = (optree.tree_structure(dict.fromkeys(keys, 0), namespace=_NAMESPACE),
+                                          sorted(keys))  # optree orders a dict's leaves by sorted key
+        return [structure[k] for k in cached[1]], cached[0]
     return optree.tree_flatten(structure, namespace=_NAMESPACE)
 
 

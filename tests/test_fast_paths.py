@@ -14,7 +14,8 @@ def test_numpy_arrays_and_distributed_values_take_the_flat_fast_path():
 def test_fast_flatten_agrees_with_optree():
     import optree
 
-    for structure in ([np.zeros(2), np.ones(3)], (np.float32(1), 2.0, "x"), [], ()):
+    for structure in ([np.zeros(2), np.ones(3)], (np.float32(1), 2.0, "x"), [], (), {"y": np.zeros(1), "x": 1.0},
+                      {"b": 1, "a": 2, "c": 3}, {}):
         leaves, spec = values.flatten(structure)
         want_leaves, want_spec = optree.tree_flatten(structure, namespace="distrib")
         assert spec == want_spec

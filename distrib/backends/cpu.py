@@ -151,6 +151,8 @@ class CpuBackend(Backend):
     def to_device_all(self, values, device):
         return [v if type(v) is np.ndarray else to_numpy(v) for v in values]
 
+    prefetch_to_device = to_device_all  # emulated devices share host memory: nothing to copy ahead
+
     def to_host(self, array: Any) -> np.ndarray:
         return to_numpy(array)
 
