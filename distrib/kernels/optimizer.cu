@@ -78,21 +78,7 @@ struct Adam {  // m += (g - m) * (1 - beta_1); v += (g * g - v) * (1 - beta_2); 
     }
 };
 
-__device__ __forceinline__ int tensor_of(const long long* offsets, int count, long long i, int guess) {
-    if (offsets[guess] <= i && i < offsets[guess + 1]) {
-        return guess;
-    }
-    int lo = 0, hi = count;  // offsets[lo] <= i < offsets[hi]; empty tensors are skipped over
-    while (hi - lo > 1) {
-        int mid = (lo + hi) >> 1;
-        if (offsets[mid] <= i) {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    return lo;
-}
+#include "segments.cuh"
 
 template <typename P, typename T, typename Rule>
 __device__ void update(const long long* table, int count, Rule rule) {
@@ -104,7 +90,7 @@ __device__ void update(const long long* table, int count, Rule rule) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     int t = 0;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        t = tensor_of(offsets, count, i, t);
+        t = segment_of(offsets, count, i, t);
         const long long k = i - offsets[t];
         T* s[Rule::kSlots > 0 ? Rule::kSlots : 1];
         for (int j = 0; j < Rule::kSlots; ++j) {

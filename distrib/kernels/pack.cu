@@ -14,21 +14,7 @@ struct Word16 {
     unsigned long long lo, hi;
 };
 
-__device__ __forceinline__ int member_of(const long long* offsets, int count, long long word, int guess) {
-    if (offsets[guess] <= word && word < offsets[guess + 1]) {
-        return guess;
-    }
-    int lo = 0, hi = count;  // offsets[lo] <= word < offsets[hi]; empty members are skipped over
-    while (hi - lo > 1) {
-        int mid = (lo + hi) >> 1;
-        if (offsets[mid] <= word) {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    return lo;
-}
+#include "segments.cuh"
 
 template <typename W, bool kPack>
 __device__ void move_words(W* flat, const long long* table, int count) {
@@ -38,7 +24,7 @@ __device__ void move_words(W* flat, const long long* table, int count) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     int m = 0;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
-        m = member_of(offsets, count, i, m);
+        m = segment_of(offsets, count, i, m);
         W* member = members[m] + (i - offsets[m]);
         if (kPack) {
             flat[i] = *member;

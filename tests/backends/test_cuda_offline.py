@@ -203,7 +203,7 @@ def test_the_kernels_ship_in_the_wheel(tmp_path):
     assert result.returncode == 0, result.stderr
     (wheel,) = (tmp_path / "dist").glob("distrib-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"distrib/kernels/{p.name}" for p in KERNEL_FILES} | {"distrib/kernels/half.cuh"} <= names
+    assert {f"distrib/kernels/{p.name}" for p in KERNEL_FILES} | {"distrib/kernels/half.cuh", "distrib/kernels/segments.cuh"} <= names
 
 
 # -- kernel launch arguments ------------------------------------------------------------------------------------------
