@@ -106,8 +106,8 @@ class PerReplica(DistributedValues):
 
     Example:
       >>> import numpy as np
-      >>> PerReplica([np.float32(1), np.float32(2)]).values
-      (1.0, 2.0)
+      >>> [float(x) for x in PerReplica([np.float32(1), np.float32(2)]).values]
+      [1.0, 2.0]
     """
 
     __slots__ = ()
