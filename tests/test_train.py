@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -78,3 +79,16 @@ def test_the_command_line_runs_info_and_train():
     assert cli.main(["info"]) == 0
     with pytest.raises(SystemExit):
         cli.main(["fly"])
+
+
+@pytest.mark.parametrize("precision", ["float16", "bfloat16"])
+def test_mixed_precision_trains_or_says_what_is_missing(tmp_path, capsys, precision):
+    flags = ["--replicas", "2", "--epochs", "3", "--precision", precision, "--out", str(tmp_path)]
+    if precision == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
+        with pytest.raises(SystemExit):
+            train_main(flags)
+        assert "needs ml_dtypes" in capsys.readouterr().err
+        return
+    assert train_main(flags) == 0
+    accuracy = float(capsys.readouterr().out.split("test accuracy ")[-1].split("%")[0])
+    assert accuracy > 80.0  # ten classes: chance is 10%
