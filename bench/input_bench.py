@@ -18,6 +18,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # benchmark the checkout this file belongs to, installed or not
 
 import distrib  # noqa: E402
+from distrib.backends import cuda_problem  # noqa: E402
 
 ROWS, FEATURES = 1024, 256  # one global batch: 1024 x 256 float32 = 1 MiB, plus int32 labels
 STEPS = 128  # batches per epoch
@@ -61,13 +62,86 @@ def training_step(weights: np.ndarray, strategy):
     return step
 
 
+def gpu_overlap(batch_mib: int, repeats: int) -> dict:
+    """On GPU:0, whether prefetch hides the host-to-device copy: a step should cost ~max(copy, compute)."""
+    import cupy
+
+    strategy = distrib.MirroredStrategy(["GPU:0"])
+    rows = batch_mib * (1 << 20) // (FEATURES * 4)
+    host = [np.random.default_rng(k).random((rows, FEATURES), dtype=np.float32) for k in range(4)]
+    batches = [host[k % len(host)] for k in range(STEPS)]  # fresh host batches, cheap to produce
+    weights = cupy.asarray(np.random.default_rng(9).random((FEATURES, FEATURES), dtype=np.float32) / FEATURES)
+    stream = cupy.cuda.get_current_stream
+
+    def timed(loop) -> float:
+        samples = []
+        for k in range(repeats + 1):
+            start = time.perf_counter()
+            loop()
+            if k:
+                samples.append((time.perf_counter() - start) / STEPS * 1e6)
+        return round(statistics.median(samples), 1)
+
+    def copy_only():
+        for batch in batches:
+            cupy.asarray(batch)
+            stream().synchronize()
+
+    copy_us = timed(copy_only)
+    device_batch = cupy.asarray(host[0])
+    matmuls = 1
+    while True:  # size the step's compute to about the copy's time, where overlap matters most
+        start = time.perf_counter()
+        for _ in range(matmuls):
+            device_batch @ weights
+        stream().synchronize()
+        if (time.perf_counter() - start) * 1e6 >= copy_us or matmuls > 4096:
+            break
+        matmuls *= 2
+
+    def compute(x):
+        for _ in range(matmuls):
+            x @ weights
+        stream().synchronize()
+
+    compute_us = timed(lambda: [compute(device_batch) for _ in range(STEPS)])
+    raw_us = timed(lambda: [compute(cupy.asarray(batch)) for batch in batches])
+    dist = strategy.experimental_distribute_dataset(batches)
+
+    def distributed():
+        for batch in dist:
+            with strategy.extended.backend.device_scope("GPU:0"):
+                compute(strategy.experimental_local_results(batch)[0])
+
+    distributed_us = timed(distributed)
+    return {"batch_mib": batch_mib, "copy_us": copy_us, "compute_us": compute_us, "raw_copy_then_compute_us": raw_us,
+            "distributed_prefetch_us": distributed_us, "ideal_us": max(copy_us, compute_us),
+            "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--replicas", default="1,2,4,8", help="comma-separated replica counts")
     parser.add_argument("--quick", action="store_true", help="3 epochs per measurement instead of 7")
     parser.add_argument("--json", type=Path, default=None, help="where to write results "
-                        "(default bench/results/input-<date>-cpu.json)")
+                        "(default bench/results/input-<date>-cpu.json, or -gpu.json with --gpu)")
+    parser.add_argument("--gpu", action="store_true", help="measure whether prefetch hides the host-to-device copy "
+                        "on GPU:0 instead (needs the CUDA backend)")
+    parser.add_argument("--gpu-batch-mib", type=int, default=64, help="batch size for --gpu (default 64 MiB)")
     args = parser.parse_args(argv)
+    if args.gpu:
+        problem = cuda_problem()
+        if problem:
+            print(f"--gpu needs the CUDA backend: {problem}.", file=sys.stderr)
+            return 2
+        result = gpu_overlap(args.gpu_batch_mib, 3 if args.quick else 7)
+        print(json.dumps(result, indent=2))
+        path = args.json or BENCH / "results" / f"input-{datetime.date.today().isoformat()}-gpu.json"
+        path.write_text(json.dumps({"benchmark": "input_bench --gpu",
+                                    "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                                    "prefetch_overlap": result}, indent=2) + "\n")
+        print(f"wrote {path}")
+        return 0
     repeats = 3 if args.quick else 7
     counts = [int(n) for n in args.replicas.split(",")]
     dataset = ShuffledBatches()
