@@ -188,7 +188,7 @@ class PlainProgress:
 
 
 class RichProgress(PlainProgress):
-    """A bar per epoch with the live loss and throughput, then the epoch's test accuracy."""
+    """A live bar for the current epoch with its loss and throughput; a finished epoch stays as a still line."""
 
     def __init__(self):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -205,14 +205,18 @@ class RichProgress(PlainProgress):
         self._bars.__exit__(*exc_info)
 
     def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:
-        self._task = self._bars.add_task(f"epoch {epoch + 1}/{epochs}", total=steps, loss=float("nan"), rate=0.0,
-                                         accuracy="")
+        label = f"epoch {epoch + 1:>{len(str(epochs))}}/{epochs}"  # padded, so that the still lines align
+        self._task = self._bars.add_task(label, total=steps, loss=float("nan"), rate=0.0, accuracy="")
 
     def step(self, loss: float, samples_per_second: float) -> None:
         self._bars.update(self._task, advance=1, loss=loss, rate=samples_per_second)
 
     def end_epoch(self, test_accuracy: float) -> None:
+        """Prints the finished bar above the live one and drops it: only one bar is redrawn, however many epochs."""
         self._bars.update(self._task, accuracy=f"test accuracy {test_accuracy:.2%}")
+        (task,) = (task for task in self._bars.tasks if task.id == self._task)
+        self._bars.console.print(self._bars.make_tasks_table([task]))
+        self._bars.remove_task(self._task)
 
 
 def progress_display() -> PlainProgress:
