@@ -168,6 +168,28 @@ def _place(workers: InputWorkers, options: InputOptions, per_replica: list[list[
     return [workers.backend.prefetch_to_device(arrays, device) for arrays, device in zip(per_replica, workers.devices)]
 
 
+class _EmptyBatches:
+    """Empty batches shaped like the latest real one, for replicas that get no rows in a step.
+
+    Only the structure, trailing shapes and dtypes are kept: holding arrays (even empty views) would pin the
+    whole batch they came from.
+    """
+
+    def __init__(self):
+        self._spec: Any = None
+        self._leaves: list[tuple[tuple, np.dtype]] = []
+
+    def remember(self, spec: Any, arrays: Sequence[Any]) -> None:
+        self._spec, self._leaves = spec, [(a.shape[1:], a.dtype) for a in arrays]
+
+    def make(self, count: int, no_data: str) -> tuple[Any, list[list[np.ndarray]]]:
+        """`count` empty batches (host arrays, placed later) and their structure; ValueError(no_data) if no
+        batch has been seen yet to take the shapes from."""
+        if self._spec is None:
+            raise ValueError(no_data)
+        return self._spec, [[np.empty((0,) + shape, dtype) for shape, dtype in self._leaves] for _ in range(count)]
+
+
 def _assemble(spec: Any, per_replica: list[list[Any]]) -> Any:
     """One structure whose leaves are PerReplica values, from each replica's list of leaves."""
     return unflatten(spec, [PerReplica._wrap(tuple(column)) for column in zip(*per_replica)])
@@ -434,7 +456,7 @@ class DistributedDataset(_DatasetBase):
         local = len(workers.devices)
         slices = local if self._by_file else workers.num_replicas_in_sync
         first = 0 if self._by_file else workers.worker_index * local
-        last_seen: list = []  # (spec, arrays) of the latest batch, for the shape of empty batches
+        empty = _EmptyBatches()
 
         def produce() -> Any:
             batch = next(batches, _END)
@@ -442,17 +464,14 @@ class DistributedDataset(_DatasetBase):
             if not workers.any_worker_has_data(has_data):
                 raise StopIteration
             if not has_data:  # other workers still have data: this worker's replicas get empty batches
-                if not last_seen:
-                    raise ValueError("This worker's shard of the dataset is empty while other workers have data; "
-                                     "shard the dataset so that every worker has some.")
-                spec, template = last_seen
-                per_replica = [[a[:0] for a in template] for _ in range(local)]
+                spec, per_replica = empty.make(local, "This worker's shard of the dataset is empty while other "
+                                                      "workers have data; shard the dataset so that every worker "
+                                                      "has some.")
                 return _assemble(spec, _place(workers, options, per_replica))
             arrays, spec = _batch_leaves(batch, workers.backend, "dataset element")
             bounds = split_bounds(_rows(arrays, spec, "dataset element"), slices)[first:first + local]
-            if not last_seen:  # the shape of empty batches, fixed by the first batch as element_spec is
-                self._record_spec(spec, arrays)
-                last_seen[:] = [spec, [a[:0].copy() for a in arrays]]  # copies: a view would pin the whole batch
+            self._record_spec(spec, arrays)
+            empty.remember(spec, arrays)
             per_replica = [[a[start:stop] for a in arrays] for start, stop in bounds]
             return _assemble(spec, _place(workers, options, per_replica))
 
@@ -487,7 +506,7 @@ class DistributedDatasetsFromFunction(_DatasetBase):
         workers, options = self._workers, self._options
         local = len(workers.devices)
         pick = ((lambda r: pipelines[r]) if len(pipelines) == local else (lambda r: pipelines[0]))
-        last_seen: list = []  # (spec, arrays) of the latest element, for the shape of empty batches
+        empty = _EmptyBatches()
 
         def produce() -> Any:
             elements = [next(pick(r), _END) for r in range(local)]
@@ -505,14 +524,15 @@ class DistributedDatasetsFromFunction(_DatasetBase):
                     raise ValueError(f"Every replica's batch must have the same structure. Received: "
                                      f"{element_spec} vs {spec}.")
                 spec = element_spec
-                last_seen[:] = [spec, [a[:0].copy() for a in arrays]]  # copies: a view would pin the whole batch
+                empty.remember(spec, arrays)
                 self._record_spec(spec, arrays)
                 per_replica.append(arrays)
-            if not last_seen:
-                raise ValueError("This worker's pipelines produced no element while other workers still have data; "
-                                 "shard the data so that every worker has some.")
-            spec, template = last_seen
-            per_replica = [arrays if arrays is not None else [a[:0] for a in template] for arrays in per_replica]
+            if None in per_replica:  # replicas whose pipelines ran out get empty batches
+                spec, blanks = empty.make(per_replica.count(None), "This worker's pipelines produced no element "
+                                          "while other workers still have data; shard the data so that every "
+                                          "worker has some.")
+                blanks = iter(blanks)
+                per_replica = [arrays if arrays is not None else next(blanks) for arrays in per_replica]
             return _assemble(spec, _place(workers, options, per_replica))
 
         return DistributedIterator(produce, options, self._element_spec, self._pace)
