@@ -53,6 +53,17 @@ def frame(strategy: "Strategy", replica_context: "ReplicaContext | None") -> Ite
         stack.pop()
 
 
+@contextlib.contextmanager
+def thread_value(local: threading.local, name: str, value: object) -> Iterator[None]:
+    """Sets `local.<name>` to `value` for the block (this thread only), restoring the previous value after."""
+    previous = getattr(local, name, None)
+    setattr(local, name, value)
+    try:
+        yield
+    finally:
+        setattr(local, name, previous)
+
+
 def get_strategy() -> "Strategy":
     """The current strategy: the innermost `scope()` or `run()`, else the default (single-replica) strategy.
 

@@ -18,10 +18,10 @@ from distrib.data import (DistributedDataset, DistributedDatasetsFromFunction, I
 from distrib.devices import HOST, canonical_name
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, InputOptions, ReduceOp, RunOptions
+from distrib.values import (DistributedValues, Mirrored, PerReplica, flatten, format_path, is_zero_scalar,
+                            map_structure, regroup, select_replica, select_replicas, structure_mismatch, unflatten)
 from distrib.variables import (DistributedVariable, MirroredVariable, Variable, VariableAggregation,
                                VariableSynchronization, create_distributed_variable, update_context)
-from distrib.values import (DistributedValues, Mirrored, PerReplica, flatten, format_path, map_structure, regroup,
-                            select_replica, select_replicas, structure_mismatch, unflatten)
 
 
 def _component_array(component: Any) -> Any:
@@ -29,10 +29,13 @@ def _component_array(component: Any) -> Any:
     return component.read_value() if isinstance(component, Variable) else component
 
 
+# Array kinds that cannot be summed: bool (NumPy's + is logical or), objects, bytes, strings, void.
+_NOT_REDUCIBLE = "bOSUV"
+
+
 def _local_components(value: Any) -> tuple | None:
-    if isinstance(value, DistributedValues) or hasattr(value, "_is_distributed_variable"):
-        return tuple(value.values)
-    return None
+    """The components of a distributed value or variable; None for anything else."""
+    return tuple(value.values) if isinstance(value, DistributedValues) else None
 
 
 class Strategy:
@@ -117,15 +120,16 @@ class Strategy:
         Nested structures are split leaf by leaf, so a dict of PerReplica gives one dict per replica.
         """
         leaves, spec = flatten(value)
-        counts = {len(c) for c in map(_local_components, leaves) if c is not None}
+        components = [_local_components(leaf) for leaf in leaves]
+        counts = {len(c) for c in components if c is not None}
         if not counts:
             return (value,)
         if len(counts) > 1:
             raise ValueError(f"experimental_local_results needs distributed values of one length. Received lengths "
                              f"{sorted(counts)}.")
         (count,) = counts
-        return tuple(unflatten(spec, [c[i] if (c := _local_components(leaf)) is not None else leaf
-                                      for leaf in leaves]) for i in range(count))
+        return tuple(unflatten(spec, [leaf if c is None else c[i] for leaf, c in zip(leaves, components)])
+                     for i in range(count))
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | Sequence[int] | None = None) -> Any:
         """Reduces a per-replica value across replicas to one host NumPy array (a nested structure works too).
@@ -173,10 +177,8 @@ class Strategy:
 
         Shapes may differ along `axis` only. In a replica context use `ReplicaContext.all_gather` instead.
         """
-        if context.get_replica_context() is not None and context.has_strategy():
-            raise ContextError("Strategy.gather must be called in the cross-replica context; inside a replica "
-                               "function use distrib.get_replica_context().all_gather(value, axis).")
-        self._extended._require_cross_replica("Strategy.gather")
+        self._extended._require_cross_replica("Strategy.gather", hint="inside a replica function use "
+                                              "distrib.get_replica_context().all_gather(value, axis)")
         backend = self._extended._backend
 
         def gather_leaf(leaf):
@@ -295,6 +297,7 @@ class StrategyExtended:
         self._devices = tuple(devices)
         self._cross_device_ops = cross_device_ops
         self._options = communication_options
+        self._colocation = threading.local()  # .variable: the one colocate_vars_with is in effect for
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
@@ -319,11 +322,11 @@ class StrategyExtended:
 
     # -- context checks ---------------------------------------------------------------------------------
 
-    def _require_cross_replica(self, api: str) -> None:
+    def _require_cross_replica(self, api: str, hint: str = "") -> None:
         top = context.current()
         if top.replica_context is not None and not context.is_default(top.strategy):
             raise ContextError(f"{api} must be called in a cross-replica context (outside Strategy.run, or in a "
-                               f"merge_call's merge_fn), not inside a replica function.")
+                               f"merge_call's merge_fn), not inside a replica function{'; ' + hint if hint else ''}.")
         if not context.is_default(top.strategy) and top.strategy is not self._container_strategy:
             raise ValueError(f"Mixing different distrib strategies is not allowed: {api} of "
                              f"{self._container_strategy!r} was called inside {top.strategy!r}'s scope.")
@@ -347,9 +350,8 @@ class StrategyExtended:
                 return (HOST,)
             raise ValueError(f"Unknown destination {destinations!r}: expected one of the strategy's devices "
                              f"{self._devices}, 'CPU:0' or 'host' for the host CPU.")
-        devices = getattr(destinations, "devices", None)
-        if hasattr(destinations, "_is_distributed_variable") and devices is not None:
-            return tuple(devices)
+        if isinstance(destinations, DistributedVariable):
+            return destinations.devices
         if isinstance(destinations, DistributedValues):
             if len(destinations.values) == len(self._devices):
                 return self._devices
@@ -436,9 +438,7 @@ class StrategyExtended:
         return results
 
     def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: tuple[str, ...]) -> Any:
-        if isinstance(value, numbers.Number) and not isinstance(value, bool) and value == 0:
-            return value
-        if op is ReduceOp.MEAN:
+        if is_zero_scalar(value) or op is ReduceOp.MEAN:
             return value
         if len(self._devices) > 1:
             raise ValueError(f"A non-distributed value cannot be reduced with SUM on {len(self._devices)} replicas: it "
@@ -475,14 +475,10 @@ class StrategyExtended:
         if context.get_replica_context() is not None:
             raise ContextError("Create variables in the cross-replica context (inside strategy.scope(), outside "
                                "strategy.run), so that every replica shares them.")
-        devices = getattr(self._colocation, "devices", None) or self._devices
+        colocated = getattr(self._colocation, "variable", None)
+        devices = colocated.devices if colocated is not None else self._devices
         return create_distributed_variable(self._container_strategy, self._backend, devices, initial_value,
                                            trainable, name, synchronization, aggregation, dtype)
-
-    @property
-    def _colocation(self) -> Any:
-        local = self.__dict__.setdefault("_colocation_local", threading.local())
-        return getattr(local, "variable", None)
 
     @contextlib.contextmanager
     def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
@@ -505,13 +501,8 @@ class StrategyExtended:
                 colocate_with_variable._strategy is not self._container_strategy:
             raise ValueError(f"colocate_vars_with needs a variable created in this strategy's scope. Received: "
                              f"{colocate_with_variable!r}.")
-        local = self.__dict__.setdefault("_colocation_local", threading.local())
-        previous = getattr(local, "variable", None)
-        local.variable = colocate_with_variable
-        try:
+        with context.thread_value(self._colocation, "variable", colocate_with_variable):
             yield
-        finally:
-            local.variable = previous
 
     def update(self, var: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None,
                group: bool = True) -> Any:
@@ -564,7 +555,7 @@ class StrategyExtended:
 
 def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
     first = arrays[0]
-    if first.dtype.kind in "bOSUV":
+    if first.dtype.kind in _NOT_REDUCIBLE:
         raise TypeError(f"Reductions need numeric values. Received: dtype {first.dtype} at value {position}.")
     for replica_id, array in enumerate(arrays[1:], start=1):
         if array.shape != first.shape or array.dtype != first.dtype:
@@ -652,8 +643,8 @@ class ReplicaContext:
             return value
         extended = self._strategy.extended
         arrays = extended._backend.to_device_all(leaves, extended.worker_devices[self._replica_id])
-        if any(dtype.kind in "bOSUV" for dtype in {a.dtype for a in arrays}):  # few distinct dtypes: check those
-            k = next(k for k, a in enumerate(arrays) if a.dtype.kind in "bOSUV")
+        if any(dtype.kind in _NOT_REDUCIBLE for dtype in {a.dtype for a in arrays}):  # few distinct dtypes
+            k = next(k for k, a in enumerate(arrays) if a.dtype.kind in _NOT_REDUCIBLE)
             raise TypeError(f"all_reduce needs numeric values. Received: dtype {arrays[k].dtype} at path "
                             f"{format_path(spec.paths()[k])}.")
 
@@ -718,6 +709,7 @@ class _DefaultExtended(StrategyExtended):
         self._devices = ("CPU:0",)
         self._cross_device_ops = NcclAllReduce(num_packs=1)
         self._options = CommunicationOptions()
+        self._colocation = threading.local()
         self._backend_instance: Backend | None = None
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -131,29 +132,38 @@ def is_distributed_variable(value: Any) -> bool:
 
 def select_replica(replica_id: int, structure: Any) -> Any:
     """The structure as replica `replica_id` sees it: each DistributedValues leaf becomes its component."""
-
-    return select_replicas(structure, replica_id + 1)[replica_id]
+    return _select(structure, (replica_id,))[0]
 
 
 def select_replicas(structure: Any, count: int) -> list[Any]:
     """`[select_replica(i, structure) for i in range(count)]`, flattening the structure only once."""
+    return _select(structure, range(count))
+
+
+def _select(structure: Any, replica_ids: Sequence[int]) -> list[Any]:
     if type(structure) is tuple and any(type(x) is not PerReplica for x in structure):
         # run()'s args: each argument on its own keeps a flat list of per-replica values on the fast path
-        return [tuple(args) for args in zip(*(select_replicas(x, count) for x in structure))] or [()] * count
+        return [tuple(args) for args in zip(*(_select(x, replica_ids) for x in structure))] or \
+            [()] * len(replica_ids)
     leaves, spec = flatten(structure)
     distributed = [k for k, leaf in enumerate(leaves)
                    if isinstance(leaf, DistributedValues) and not is_distributed_variable(leaf)]
     if not distributed:
-        return [structure] * count
+        return [structure] * len(replica_ids)
     if len(distributed) == len(leaves):  # e.g. a list of gradients: every leaf is per-replica
-        return [unflatten(spec, [leaf._values[i] for leaf in leaves]) for i in range(count)]
+        return [unflatten(spec, [leaf._values[i] for leaf in leaves]) for i in replica_ids]
     out = []
-    for replica_id in range(count):
+    for replica_id in replica_ids:
         picked = list(leaves)
         for k in distributed:
             picked[k] = leaves[k]._values[replica_id]
         out.append(unflatten(spec, picked))
     return out
+
+
+def is_zero_scalar(value: Any) -> bool:
+    """A Python or NumPy scalar 0, which TensorFlow's reductions pass through unchanged whatever the op."""
+    return isinstance(value, numbers.Number) and not isinstance(value, (bool, np.bool_)) and value == 0
 
 
 def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wrap: bool = False) -> Any:

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import numbers
 import sys
 import threading
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from distrib import context
 from distrib.backends import Backend, get_backend
-from distrib.values import DistributedValues, PerReplica, register_leaf_type
+from distrib.values import DistributedValues, PerReplica, is_zero_scalar, register_leaf_type
 
 
 class VariableSynchronization(enum.Enum):
@@ -57,15 +56,9 @@ _IDLE_REFCOUNT = _idle_refcount()
 _update_replica = threading.local()  # the component index inside StrategyExtended.update
 
 
-@contextlib.contextmanager
-def update_context(replica_id: int) -> Iterator[None]:
+def update_context(replica_id: int) -> contextlib.AbstractContextManager:
     """While `update` runs fn on component `replica_id`, reads of distributed variables see that component."""
-    previous = getattr(_update_replica, "id", None)
-    _update_replica.id = replica_id
-    try:
-        yield
-    finally:
-        _update_replica.id = previous
+    return context.thread_value(_update_replica, "id", replica_id)
 
 
 class _VariableMeta(type):
@@ -356,11 +349,6 @@ class MirroredVariable(DistributedVariable):
         return self
 
 
-def _is_number_zero(value: Any) -> bool:
-    """A Python or NumPy scalar 0: reduce_to passes it through, so every replica writing 0 is fine with SUM."""
-    return isinstance(value, numbers.Number) and not isinstance(value, (bool, np.bool_)) and value == 0
-
-
 def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str, value: Any) -> None:
     """Cross-replica half of a replica-context write: combine the replicas' values, then update every copy."""
     aggregation = variable.aggregation
@@ -371,7 +359,7 @@ def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str
             raise ValueError(f"Cannot update non-float variable {variable.name!r} with aggregation MEAN: the mean "
                              f"of its replicas' values is not an integer.")
         value = strategy.extended.reduce_to(aggregation.name, value, destinations=variable)
-    elif aggregation is VariableAggregation.SUM and strategy.num_replicas_in_sync > 1 and not _is_number_zero(value):
+    elif aggregation is VariableAggregation.SUM and strategy.num_replicas_in_sync > 1 and not is_zero_scalar(value):
         raise ValueError(f"A value that is the same object on every replica cannot be SUM-aggregated into "
                          f"{variable.name!r}: it would be counted {strategy.num_replicas_in_sync} times. Pass a "
                          f"per-replica value, or use aggregation MEAN or ONLY_FIRST_REPLICA.")
