@@ -30,14 +30,7 @@ class CrossDeviceOps:
     def reduce_to(self, backend: Backend, op: ReduceOp, components: Sequence[Any], devices: Sequence[str],
                   destinations: Sequence[str]) -> list[Any]:
         """Reduces one array per device onto `destinations` (device names, or ('host',) for NumPy)."""
-        target = devices[0] if destinations[0] == HOST else destinations[0]
-        total = backend.add_n(list(components), target)
-        if op is ReduceOp.MEAN:
-            with backend.device_scope(target):
-                if _is_float(total):
-                    total /= len(components)
-                else:
-                    total = backend.xp.asarray(total / len(components))  # NumPy makes 0-d / int a scalar
+        total = _reduce_on(backend, op, components, devices[0] if destinations[0] == HOST else destinations[0])
         if tuple(destinations) == (HOST,):
             return [backend.to_host(total)]
         return [total] + [backend.copy(total, d) for d in destinations[1:]]
@@ -53,7 +46,8 @@ class CrossDeviceOps:
         lengths = [f.shape[0] for f in fronts]
         longest = max(lengths)
         rest = fronts[0].shape[1:]
-        if any(n != longest for n in lengths):  # pad to the longest, gather, then strip the padding
+        ragged = any(n != longest for n in lengths)
+        if ragged:  # pad to the longest, gather, then strip the padding
             padded = []
             for front, device in zip(fronts, devices):
                 pad = backend.empty((longest,) + rest, front.dtype, device)
@@ -69,13 +63,29 @@ class CrossDeviceOps:
         results = []
         for gathered, device in zip(backend.all_gather(flats, list(devices)), devices):
             blocks = gathered.reshape((len(components), longest) + rest)
-            if any(n != longest for n in lengths):
+            if ragged:
                 with backend.device_scope(device):
                     joined = xp.concatenate([blocks[r, :n] for r, n in enumerate(lengths)], axis=0)
             else:
                 joined = blocks.reshape((len(components) * longest,) + rest)
             results.append(xp.moveaxis(joined, 0, axis))
         return results
+
+
+def _reduce_on(backend: Backend, op: ReduceOp, components: Sequence[Any], target: str,
+               accumulation_fn: Callable | None = None) -> Any:
+    """The SUM or MEAN of same-shaped per-device arrays, computed on `target` (integer MEAN: a float result)."""
+    if accumulation_fn is not None:
+        total = accumulation_fn([backend.copy(c, target) for c in components])
+    else:
+        total = backend.add_n(list(components), target)
+    if op is ReduceOp.MEAN:
+        with backend.device_scope(target):
+            if accumulation_fn is None and _is_float(total):
+                total /= len(components)  # add_n's fresh buffer: divide in place
+            else:
+                total = backend.xp.asarray(total / len(components))  # NumPy makes 0-d / int a scalar
+    return total
 
 
 class ReductionToOneDevice(CrossDeviceOps):
@@ -97,14 +107,7 @@ class ReductionToOneDevice(CrossDeviceOps):
     def batch_all_reduce(self, backend, op, per_replica, devices, options):
         out = []
         for components in zip(*per_replica):
-            target = self.reduce_to_device or devices[0]
-            if self.accumulation_fn is not None:
-                total = self.accumulation_fn([backend.copy(c, target) for c in components])
-            else:
-                total = backend.add_n(list(components), target)
-            if op is ReduceOp.MEAN:
-                with backend.device_scope(target):
-                    total = total / len(components)
+            total = _reduce_on(backend, op, components, self.reduce_to_device or devices[0], self.accumulation_fn)
             out.append(backend.broadcast(total, list(devices), timeout=options.timeout))
         return [list(values) for values in zip(*out)] if out else [[] for _ in devices]
 
