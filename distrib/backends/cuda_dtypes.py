@@ -17,8 +17,8 @@ AVG_MIN_VERSION = 21003
 class Wire(NamedTuple):
     """What a reduction of one dtype sends: `factor` elements of `dtype` per value, combined with `op`."""
 
-    dtype: str  # a key of NCCL_TYPES, and the reduce_<dtype> kernel's type
-    factor: int  # a complex value is two floats
+    dtype: str  # the reduce_<dtype> kernel's type, or for NCCL a key of NCCL_TYPES
+    factor: int  # NCCL sends a complex value as two floats
     op: str  # "SUM", or "MAX" for bool (NumPy adds booleans as logical or)
 
 
@@ -27,15 +27,17 @@ KERNEL_WIRES: dict[str, Wire] = {
     **{name: Wire(name, 1, "SUM") for name in NCCL_TYPES},
     "int16": Wire("int16", 1, "SUM"),
     "uint16": Wire("uint16", 1, "SUM"),
-    "complex64": Wire("float32", 2, "SUM"),
-    "complex128": Wire("float64", 2, "SUM"),
+    "complex64": Wire("complex64", 1, "SUM"),  # divided as NumPy divides complex values (reduce.cu)
+    "complex128": Wire("complex128", 1, "SUM"),
     "bool": Wire("bool", 1, "MAX"),
 }
 
 # Reductions through NCCL. int16 and uint16 have no NCCL type: they are summed as int32 / uint32 and cast back,
 # which wraps exactly as NumPy's 16-bit adds do.
 NCCL_WIRES: dict[str, Wire] = {
-    **{name: KERNEL_WIRES[name] for name in (*NCCL_TYPES, "complex64", "complex128")},
+    **{name: KERNEL_WIRES[name] for name in NCCL_TYPES},
+    "complex64": Wire("float32", 2, "SUM"),
+    "complex128": Wire("float64", 2, "SUM"),
     "bool": Wire("uint8", 1, "MAX"),
 }
 WIDER = {"int16": "int32", "uint16": "uint32"}

@@ -5,7 +5,8 @@
 // Additions run in source order with the dtype's own rounding after each one, as NumPy's in-order adds do, so
 // results match the CPU emulator bit for bit: float16 and bfloat16 are stored as 16-bit words, widened to float
 // for each addition and rounded back (to nearest, ties to even); integers wrap. Only floats are divided (a mean);
-// `divisor` 1 means a plain sum. Booleans are reduced with max, because NumPy adds booleans as logical or.
+// `divisor` 1 means a plain sum. Complex values are (re, im) pairs added part by part and divided as NumPy divides
+// them (below). Booleans are reduced with max, because NumPy adds booleans as logical or.
 // An output may be the first source (in-place scaling): each thread reads element i before writing it.
 //
 // The table holds n_src source pointers, then n_out output pointers. One thread per element, grid-stride.
@@ -48,6 +49,33 @@ struct BFloat16 {
     }
     static __device__ __forceinline__ S divide(S a, int n) {
         return float_to_bfloat16(bfloat16_to_float(a) / (float)n);
+    }
+};
+
+template <typename T>
+struct alignas(2 * sizeof(T)) Pair {
+    T re, im;
+};
+
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+
+template <typename T>
+struct Complex {  // complex64 / complex128
+    typedef Pair<T> S;
+    static const bool kFloat = true;
+    static __device__ __forceinline__ S add(S a, S b) { return S{a.re + b.re, a.im + b.im}; }
+    // NumPy divides by a real n through complex division by (n, 0), Smith's method: ratio = 0 / n = 0 and
+    // scale = 1 / n rounded once, so each part is (part +- other * ratio) * scale, not part / n. The _rn
+    // intrinsics keep the compiler from fusing these into FMAs, whose single rounding would differ.
+    static __device__ __forceinline__ S divide(S a, int n) {
+        const T d = (T)n;
+        const T ratio = (T)0 / d;
+        const T scale = (T)1 / add_rn(d, mul_rn((T)0, ratio));
+        return S{mul_rn(add_rn(a.re, mul_rn(a.im, ratio)), scale),
+                 mul_rn(add_rn(a.im, -mul_rn(a.re, ratio)), scale)};
     }
 };
 
@@ -96,6 +124,8 @@ DISTRIB_REDUCE_KERNEL(float16, Half)
 DISTRIB_REDUCE_KERNEL(bfloat16, BFloat16)
 DISTRIB_REDUCE_KERNEL(float32, Native<float>)
 DISTRIB_REDUCE_KERNEL(float64, Native<double>)
+DISTRIB_REDUCE_KERNEL(complex64, Complex<float>)
+DISTRIB_REDUCE_KERNEL(complex128, Complex<double>)
 DISTRIB_REDUCE_KERNEL(int8, Wrapping<signed char, unsigned char>)
 DISTRIB_REDUCE_KERNEL(uint8, Wrapping<unsigned char, unsigned char>)
 DISTRIB_REDUCE_KERNEL(int16, Wrapping<short, unsigned short>)
