@@ -1,6 +1,6 @@
 """distrib: TensorFlow's tf.distribute programming model on CuPy and NCCL, with a NumPy CPU emulator."""
 
-from distrib import errors, optimizers
+from distrib import errors, experimental, optimizers
 from distrib.checkpoint import Checkpoint
 from distrib.collective.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
                                                  ReductionToOneDevice)
@@ -49,6 +49,7 @@ __all__ = [
     "VariableAggregation",
     "VariableSynchronization",
     "errors",
+    "experimental",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",

@@ -1,0 +1,1 @@
+"""Parameter-server training on Ray: partitioners, ShardedVariable, ParameterServerStrategy, ClusterCoordinator."""
