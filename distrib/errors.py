@@ -8,6 +8,9 @@
         ├── ContextError           (+ RuntimeError)  an API called in the wrong (replica/cross-replica) context
         ├── BackendUnavailableError (+ RuntimeError) the requested backend cannot run here
         ├── CollectiveError        (+ RuntimeError)  NCCL or CUDA failed a collective (communicators aborted)
+        ├── ResourceExhaustedError (+ MemoryError)   a device ran out of memory
+        ├── KernelCompileError     (+ RuntimeError)  a CUDA kernel failed to compile (NVRTC)
+        ├── DeviceError            (+ RuntimeError)  the CUDA runtime or driver reported another error
         └── CheckpointError        (+ ValueError)    a checkpoint file is damaged, or does not match the objects
 
 Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class derives from the
@@ -65,6 +68,34 @@ class CollectiveError(DistribError, RuntimeError):
     def __init__(self, message: str, *, operation: str = "", status: int | None = None):
         super().__init__(message)
         self.operation = operation
+        self.status = status
+
+
+class ResourceExhaustedError(DistribError, MemoryError):
+    """A device ran out of memory (TensorFlow's `ResourceExhaustedError`); the message names the device and size.
+
+    Attributes:
+      device: the device that ran out, such as 'GPU:0', or '' when unknown.
+    """
+
+    def __init__(self, message: str, *, device: str = ""):
+        super().__init__(message)
+        self.device = device
+
+
+class KernelCompileError(DistribError, RuntimeError):
+    """A CUDA kernel shipped with distrib failed to compile with NVRTC; the message holds the compiler's log."""
+
+
+class DeviceError(DistribError, RuntimeError):
+    """The CUDA runtime or driver reported an error outside a collective (an illegal address, a lost device).
+
+    Attributes:
+      status: CUDA's error code (cudaError_t or CUresult), or None.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
         self.status = status
 
 

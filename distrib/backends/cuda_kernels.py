@@ -25,6 +25,7 @@ OPTIONS = ("--std=c++17",)
 BLOCK = 256
 MAX_BLOCKS = 8192  # grid-stride loops cover the rest; more blocks only add scheduling work
 WORD_SIZES = (16, 8, 4, 2, 1)
+WORDS_PER_THREAD = 8  # pack.cu's kWordsPerThread: each block moves tiles of BLOCK * WORDS_PER_THREAD words
 UPDATE_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2}  # optimizer.cu's rules and their slot counts
 UPDATE_DTYPES = {"float16": "float32", "float32": "float32", "float64": "float64"}  # parameter -> math dtype
 
@@ -143,7 +144,8 @@ class Kernels:
         words = int(table[-1])
         if words:
             kernel = self.function("pack.cu", f"{'pack' if pack else 'unpack'}_w{width}")
-            kernel((blocks(words),), (BLOCK,), (flat, cupy.asarray(table), np.int32(len(members))))
+            tiles = -(-words // WORDS_PER_THREAD)
+            kernel((blocks(tiles),), (BLOCK,), (flat, cupy.asarray(table), np.int32(len(members))))
 
     def reduce(self, wire: str, count: int, sources: Sequence[Any], outputs: Sequence[Any], divisor: int = 1) -> None:
         """outputs[k][:count] = sum of sources[j][:count] in order (in `wire` type elements), divided by `divisor`."""

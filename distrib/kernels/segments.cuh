@@ -1,12 +1,12 @@
 // The segment of a flat index: offsets[k] <= i < offsets[k + 1], found by binary search after checking the
-// caller's guess (the segment it found last, which neighbouring indices of a grid-stride loop usually share).
-// Inlined into the kernels that include it by backends/cuda_kernels.py's source().
+// caller's guess (the segment it found last, which neighbouring indices usually share).
+// Inlined into the kernels that include it by the kernel loader's source().
 
-__device__ __forceinline__ int segment_of(const long long* offsets, int count, long long i, int guess) {
-    if (offsets[guess] <= i && i < offsets[guess + 1]) {
+// Searches segments lo..hi-1 only; the caller knows offsets[lo] <= i < offsets[hi]. Empty segments are skipped.
+__device__ __forceinline__ int segment_between(const long long* offsets, int lo, int hi, long long i, int guess) {
+    if (lo <= guess && guess < hi && offsets[guess] <= i && i < offsets[guess + 1]) {
         return guess;
     }
-    int lo = 0, hi = count;  // offsets[lo] <= i < offsets[hi]; empty segments are skipped over
     while (hi - lo > 1) {
         int mid = (lo + hi) >> 1;
         if (offsets[mid] <= i) {
@@ -16,4 +16,8 @@ __device__ __forceinline__ int segment_of(const long long* offsets, int count, l
         }
     }
     return lo;
+}
+
+__device__ __forceinline__ int segment_of(const long long* offsets, int count, long long i, int guess) {
+    return segment_between(offsets, 0, count, i, guess);
 }
