@@ -14,8 +14,9 @@ ENV VIRTUAL_ENV=/opt/venv \
 RUN python3 -m venv "$VIRTUAL_ENV"
 
 WORKDIR /opt/distrib
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY distrib ./distrib
+COPY kernels ./kernels
 COPY examples ./examples
 RUN pip install --no-cache-dir "/opt/distrib[cuda12,train]"
 

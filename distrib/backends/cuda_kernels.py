@@ -1,4 +1,4 @@
-"""The kernels of distrib/kernels/*.cu: their launch tables (pure), and their launches through CuPy's RawModule.
+"""The kernels of kernels/*.cu: their launch tables (pure), and their launches through CuPy's RawModule.
 
 - `pack_w<W>` / `unpack_w<W>` (pack.cu) gather the members of a pack into its flat buffer, or scatter the flat
   buffer into the members, in one launch, moving W-byte words (W = 1, 2, 4, 8 or 16).
@@ -6,21 +6,20 @@
 - `<rule>_<dtype>` (optimizer.cu) applies an optimizer's update to every same-device tensor of one dtype in one
   launch: rule "sgd", "momentum", "nesterov" or "adam" over float16, float32 or float64 parameters.
 
-The sources ship inside the wheel as package data and compile with NVRTC on first use, once per device (CuPy
+The sources live in the top-level kernels/ folder, ship inside the wheel as the package distrib.kernels, and compile with NVRTC on first use, once per device (CuPy
 caches the binaries on disk).
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import re
-
 import threading
-from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-SOURCES = Path(__file__).resolve().parent.parent / "kernels"
+SOURCES = importlib.resources.files("distrib.kernels")  # kernels/ in a checkout, distrib/kernels/ when installed
 OPTIONS = ("--std=c++17",)
 BLOCK = 256
 MAX_BLOCKS = 8192  # grid-stride loops cover the rest; more blocks only add scheduling work

@@ -1,4 +1,4 @@
-"""Every kernel of distrib/kernels/*.cu against NumPy on random data (also run under compute-sanitizer)."""
+"""Every kernel of kernels/*.cu against NumPy on random data (also run under compute-sanitizer)."""
 
 from __future__ import annotations
 
