@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 import cupy
 import numpy as np
 
-from distrib.backends import cuda_devices, cuda_dtypes, nccl_comms
+from distrib.backends import cuda_devices, cuda_dtypes, cuda_errors, nccl_comms
 from distrib.backends.base import Backend
 from distrib.backends.cpu import to_numpy
 from distrib.backends.cuda_kernels import UPDATE_DTYPES, UPDATE_SLOTS, Kernels, update_groups
@@ -68,11 +68,14 @@ class CudaBackend(Backend):
     and the backend queues all of that device's work on it. The streams synchronise with the legacy default
     stream, so CuPy work issued outside a device scope is still ordered with them.
 
-    Collectives over distinct GPUs are NCCL group calls issued from the calling thread; each waits for its
-    completion under a watchdog and raises DeadlineExceededError after `timeout` seconds (default
-    $DISTRIB_COLLECTIVE_TIMEOUT, else 600), aborting the communicators. Replicas that share a GPU (NCCL refuses
-    two ranks on one device) are reduced by copies and the reduce kernel instead. Results are new arrays, one
-    per device.
+    Collectives over distinct GPUs are NCCL group calls issued from the calling thread, which returns as soon as
+    they are queued; a watchdog thread follows their completion and, past `timeout` seconds (default
+    $DISTRIB_COLLECTIVE_TIMEOUT, else 600) or on an NCCL error, aborts the communicators. The error
+    (DeadlineExceededError, CollectiveError) is raised at the next synchronisation point: the next collective,
+    `synchronize()` or a copy to the host. Replicas that share a GPU (NCCL refuses two ranks on one device) are
+    reduced by copies and the reduce kernel instead. Results are new arrays, one per device; unpacked members are
+    views of their flat result, as on the CPU emulator. CuPy's, CUDA's, NVRTC's and NCCL's exceptions leave every
+    method as distrib's (backends/cuda_errors.py).
 
     Example:
       >>> import distrib, cupy
@@ -213,7 +216,9 @@ class CudaBackend(Backend):
             return to_numpy(array)
         array = _as_cupy(array)
         with self._on(array.device.id):
-            return array.get()
+            host = array.get()  # waits for the stream, so a collective that failed before it has been seen
+        self._comms.check()
+        return host
 
     def empty(self, shape, dtype, device):
         with self._on(self._ordinal(device)):
@@ -262,13 +267,8 @@ class CudaBackend(Backend):
         return flat
 
     def unpack(self, flat, buffer: Buffer):
-        if len(buffer.members) == 1:
-            shape = buffer.members[0].shape
-            return [flat if len(shape) == 1 else flat.reshape(shape)]
-        with self._on(flat.device.id):
-            outs = [cupy.empty(m.shape, flat.dtype) for m in buffer.members]
-            self._kernels.move(flat, outs, pack=False)
-        return outs
+        """Views of the flat buffer, no copy: a collective's flat result is new and each member owns its slice."""
+        return [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
 
     @staticmethod
     def _members(api: str, arrays: Sequence[Any], ordinal: int) -> Sequence[cupy.ndarray]:
@@ -400,8 +400,10 @@ class CudaBackend(Backend):
         return True
 
     def synchronize(self) -> None:
+        self._comms.wait()  # returns (or raises) once the watchdog has seen every collective complete or fail
         for ordinal in list(self._streams):
             cupy.cuda.Device(ordinal).synchronize()
+        self._comms.check()
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
@@ -468,3 +470,10 @@ class CudaBackend(Backend):
 
     def __repr__(self) -> str:
         return f"<CudaBackend devices={self.default_devices()} gpus={[g.name for g in self._gpus]}>"
+
+
+# Every method of the backend protocol leaves with distrib's errors, never CuPy's, CUDA's, NVRTC's or NCCL's.
+PROTOCOL_METHODS = tuple(name for name, member in vars(Backend).items()
+                         if not name.startswith("_") and callable(member))
+for _name in PROTOCOL_METHODS:
+    setattr(CudaBackend, _name, cuda_errors.translating(getattr(CudaBackend, _name)))

@@ -1,10 +1,12 @@
 """NCCL communicators for one process driving several GPUs: creation, group calls, the watchdog, error translation.
 
-NCCL has no timeout: a collective whose peer never starts spins forever, and errors on the network arrive
-asynchronously. So every group call is followed by a watchdog: an event recorded on each device's stream is
-polled until all complete; meanwhile each communicator is asked for asynchronous errors, and past the deadline
-every communicator of the group is aborted and DeadlineExceededError raised. Failed communicators are dropped;
-the next collective on those devices creates new ones.
+A group call is launched and handed to the watchdog (backends/watchdog.py) with an event recorded on each
+device's stream; the caller returns at once, so collectives pipeline on the streams as NCCL's own do. NCCL has no
+timeout: a collective whose peer never starts spins forever, and errors on the network arrive asynchronously. So
+the watchdog's thread polls the events and the communicators' asynchronous errors, and past the deadline aborts the
+communicators of that call; the error (DeadlineExceededError, CollectiveError) is raised at the next
+synchronisation point: the next collective, `wait()`, or a copy to the host. Failed communicators are dropped; the
+next collective on those devices creates new ones.
 """
 
 from __future__ import annotations
@@ -16,13 +18,9 @@ from typing import Any, Callable, Sequence
 import cupy
 from cupy.cuda import nccl
 
+from distrib.backends.cuda_errors import NCCL_HINT as HINT
+from distrib.backends.watchdog import Watchdog, Watched
 from distrib.errors import CollectiveError, DeadlineExceededError
-
-SPIN_SECONDS = 2e-4  # poll without sleeping this long: small collectives finish within it
-MAX_SLEEP_SECONDS = 1e-3
-
-HINT = ("Run with NCCL_DEBUG=WARN for NCCL's own account. A hang between GPUs of one machine is often broken "
-        "peer-to-peer transfers: try NCCL_P2P_DISABLE=1, and check that IOMMU and PCI ACS are off.")
 
 Launch = Callable[[int, Any, int], None]  # (rank, communicator, stream pointer): issues the rank's NCCL calls
 
@@ -42,6 +40,7 @@ class Communicators:
         self._groups: dict[tuple[int, ...], list[Any]] = {}
         self._locks: dict[tuple[int, ...], threading.Lock] = {}
         self._lock = threading.Lock()
+        self.watchdog = Watchdog()
 
     def _lock_for(self, ordinals: tuple[int, ...]) -> threading.Lock:
         with self._lock:
@@ -59,14 +58,23 @@ class Communicators:
             self._groups[ordinals] = comms
         return comms
 
+    def check(self) -> None:
+        """Raises the error of a collective that failed since the last check (see the module docstring)."""
+        self.watchdog.check()
+
+    def wait(self) -> None:
+        """Blocks until every launched collective has completed or failed; raises the first failure."""
+        self.watchdog.wait()
+
     def run(self, operation: str, ordinals: Sequence[int], streams: Sequence[Any], launch: Launch,
             timeout: float) -> None:
-        """Issues `launch` for every rank inside one NCCL group, then waits for completion under the watchdog.
+        """Issues `launch` for every rank inside one NCCL group and hands the call to the watchdog; returns at once.
 
         Raises:
-          DeadlineExceededError: the group did not complete within `timeout` seconds.
-          CollectiveError: NCCL or CUDA reported an error; the communicators were aborted.
+          DeadlineExceededError, CollectiveError: an earlier collective failed (raised once, here or at the next
+            synchronisation point); or NCCL or CUDA refused this launch, whose communicators were then aborted.
         """
+        self.watchdog.check()
         ordinals = tuple(ordinals)
         with self._lock_for(ordinals):
             comms = self._communicators(ordinals, operation)
@@ -82,39 +90,46 @@ class Communicators:
                 for ordinal, stream in zip(ordinals, streams):
                     with cupy.cuda.Device(ordinal):
                         events.append(stream.record(cupy.cuda.Event(disable_timing=True)))
-                self._wait(operation, ordinals, comms, events, timeout)
             except (nccl.NcclError, cupy.cuda.runtime.CUDARuntimeError) as exc:
-                self.abort(ordinals)
-                library = "NCCL" if isinstance(exc, nccl.NcclError) else "CUDA"
-                raise CollectiveError(f"{operation} failed on GPUs {list(ordinals)}: {library} reported {exc}. The "
-                                      f"communicators were aborted; the next collective creates new ones. {HINT}",
-                                      operation=operation, status=getattr(exc, "status", None)) from exc
+                self._abort(ordinals, comms)
+                raise self._failed(operation, ordinals, exc) from exc
+        self.watchdog.watch(Watched(operation, events, time.monotonic() + timeout,
+                                    poll_errors=lambda: self._poll_errors(operation, ordinals, comms),
+                                    abort=lambda: self._abort(ordinals, comms),
+                                    timeout_error=lambda: self._late(operation, ordinals, timeout)))
 
-    def _wait(self, operation: str, ordinals: tuple[int, ...], comms: list[Any], events: list[Any],
-              timeout: float) -> None:
-        start = time.monotonic()
-        pending = events
-        pause = 0.0
-        while True:
-            pending = [e for e in pending if not e.done]
-            if not pending:
-                return
-            waited = time.monotonic() - start
-            if waited < SPIN_SECONDS:
-                continue
+    def _poll_errors(self, operation: str, ordinals: tuple[int, ...], comms: list[Any]) -> None:
+        try:
             for comm in comms:
                 comm.check_async_error()
-            if waited > timeout:
-                self.abort(ordinals)
-                raise DeadlineExceededError(
-                    f"{operation} did not complete within {timeout:g} s on GPUs {list(ordinals)}; NCCL has no timeout "
-                    f"of its own, so the communicators were aborted (the next collective creates new ones). {HINT} "
-                    f"Raise CommunicationOptions(timeout_seconds=...) or $DISTRIB_COLLECTIVE_TIMEOUT if the work is "
-                    f"just slow.", operation=operation)
-            pause = min(MAX_SLEEP_SECONDS, max(pause * 2, 2e-5))
-            time.sleep(pause)
+        except nccl.NcclError as exc:
+            raise self._failed(operation, ordinals, exc) from exc
+
+    @staticmethod
+    def _failed(operation: str, ordinals: tuple[int, ...], exc: Exception) -> CollectiveError:
+        library = "NCCL" if isinstance(exc, nccl.NcclError) else "CUDA"
+        return CollectiveError(f"{operation} failed on GPUs {list(ordinals)}: {library} reported {exc}. The "
+                               f"communicators were aborted; the next collective creates new ones. {HINT}",
+                               operation=operation, status=getattr(exc, "status", None))
+
+    @staticmethod
+    def _late(operation: str, ordinals: tuple[int, ...], timeout: float) -> DeadlineExceededError:
+        return DeadlineExceededError(
+            f"{operation} did not complete within {timeout:g} s on GPUs {list(ordinals)}; NCCL has no timeout of its "
+            f"own, so the communicators were aborted (the next collective creates new ones). {HINT} Raise "
+            f"CommunicationOptions(timeout_seconds=...) or $DISTRIB_COLLECTIVE_TIMEOUT if the work is just slow.",
+            operation=operation)
+
+    def _abort(self, ordinals: tuple[int, ...], comms: list[Any]) -> None:
+        """Aborts `comms` (never `destroy`, which can hang) and forgets them if they are still the current ones."""
+        with self._lock:
+            if self._groups.get(ordinals) is comms:
+                del self._groups[ordinals]
+        for comm in comms:
+            comm.abort()
 
     def abort(self, ordinals: Sequence[int]) -> None:
-        """Aborts the communicators of `ordinals` (never `destroy`, which can hang) and forgets them."""
-        for comm in self._groups.pop(tuple(ordinals), ()):
-            comm.abort()
+        """Aborts the current communicators of `ordinals` and forgets them."""
+        comms = self._groups.get(tuple(ordinals))
+        if comms is not None:
+            self._abort(tuple(ordinals), comms)

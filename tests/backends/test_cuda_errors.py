@@ -93,3 +93,13 @@ def test_the_wrapper_chains_the_foreign_exception_and_leaves_distribs_own_alone(
 
     with pytest.raises(ValueError, match="^all_gather needs"):
         check()
+
+
+def test_every_method_of_the_backend_protocol_translates_foreign_errors():
+    from distrib.backends import cuda
+    from distrib.backends.base import Backend
+
+    public = {name for name, member in vars(Backend).items() if not name.startswith("_") and callable(member)}
+    assert public == set(cuda.PROTOCOL_METHODS)
+    for name in public:
+        assert hasattr(getattr(cuda.CudaBackend, name), "__wrapped__"), f"CudaBackend.{name} is not translated"
