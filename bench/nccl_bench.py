@@ -261,7 +261,7 @@ def batch_rows(cupy, distrib) -> dict:
 
 
 def kernel_rows(cupy, backend) -> dict:
-    from distrib.backends.cuda_kernels import Kernels
+    from distrib.backends.cuda.kernels import Kernels
 
     kernels = Kernels()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()

@@ -1,13 +1,13 @@
 """distrib: TensorFlow's tf.distribute programming model on CuPy and NCCL, with a NumPy CPU emulator."""
 
 from distrib import errors, experimental, optimizers
+from distrib._version import __version__
 from distrib.checkpoint import Checkpoint
-from distrib.collective.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
-                                                 ReductionToOneDevice)
+from distrib.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
 from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                              in_cross_replica_context)
-from distrib.data import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator, InputContext,
-                          ValueContext)
+from distrib.input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator, InputContext,
+                           ValueContext)
 from distrib.mirrored import MirroredStrategy
 from distrib.options import (CommunicationImplementation, CommunicationOptions, InputOptions, InputReplicationMode,
                              ReduceOp, RunOptions)
@@ -16,9 +16,8 @@ from distrib.values import DistributedValues, Mirrored, PerReplica
 from distrib.variables import (DistributedVariable, MirroredVariable, SyncOnReadVariable, Variable,
                                VariableAggregation, VariableSynchronization)
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "Checkpoint",
     "CommunicationImplementation",
     "CommunicationOptions",

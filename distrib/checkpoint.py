@@ -79,7 +79,7 @@ class Checkpoint:
         `path`, so a crash leaves the previous checkpoint intact; an exception leaves no temporary file.
         """
         _require_cross_replica("Checkpoint.save")
-        from distrib import __version__
+        from distrib._version import __version__
 
         variables, _, checkpoints = self._collect()
         for path_, checkpoint in checkpoints.items():

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from distrib import context
 from distrib.backends import Backend, cuda_problem, detect, get_backend
-from distrib.collective.cross_device_ops import CrossDeviceOps, default_cross_device_ops
+from distrib.cross_device_ops import CrossDeviceOps, default_cross_device_ops
 from distrib.devices import canonical_name, parse_device
 from distrib.errors import DeadlineExceededError, MergeCallMismatchError
 from distrib.options import CommunicationOptions, default_timeout

@@ -12,9 +12,9 @@ import numpy as np
 
 from distrib import context
 from distrib.backends import Backend, get_backend
-from distrib.collective.cross_device_ops import CrossDeviceOps, NcclAllReduce
-from distrib.data import (DistributedDataset, DistributedDatasetsFromFunction, InputContext, InputWorkers,
-                          ValueContext)
+from distrib.cross_device_ops import CrossDeviceOps, NcclAllReduce
+from distrib.input import (DistributedDataset, DistributedDatasetsFromFunction, InputContext, InputWorkers,
+                           ValueContext)
 from distrib.devices import HOST, canonical_name
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, InputOptions, ReduceOp, RunOptions

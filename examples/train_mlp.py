@@ -3,9 +3,9 @@
     python3 examples/train_mlp.py                 # every GPU, else 2 emulated CPU replicas
     python3 examples/train_mlp.py --replicas 4    # 4 emulated CPU replicas
 
-It is `distrib train` without the run directory, resuming and precision flags: a strategy, variables made in
-its scope, a distributed dataset, a replica step that computes its local gradients, and an optimizer that
-averages them across replicas.
+It is `distrib train` (whose model, distrib/cli/model.py, it shares) without the run directory, resuming and
+precision flags: a strategy, variables made in its scope, a distributed dataset, a replica step that computes
+its local gradients, and an optimizer that averages them across replicas.
 """
 
 from __future__ import annotations
@@ -16,40 +16,8 @@ import time
 import numpy as np
 
 import distrib
+from distrib.cli.model import MLP  # the model `distrib train` trains: read it there
 from distrib.datasets import load_digits
-
-
-def init_weights(features: int, hidden: int, classes: int, seed: int) -> dict[str, distrib.Variable]:
-    """He-initialised weights. Call inside `strategy.scope()`, so each becomes a MirroredVariable."""
-    rng = np.random.default_rng(seed)
-    return {
-        "w1": distrib.Variable(rng.normal(0, np.sqrt(2 / features), (features, hidden)).astype(np.float32), name="w1"),
-        "b1": distrib.Variable(np.zeros(hidden, np.float32), name="b1"),
-        "w2": distrib.Variable(rng.normal(0, np.sqrt(2 / hidden), (hidden, classes)).astype(np.float32), name="w2"),
-        "b2": distrib.Variable(np.zeros(classes, np.float32), name="b2"),
-    }
-
-
-def forward(weights, x, xp):
-    """Logits and the hidden activations (kept for the backward pass)."""
-    pre = x @ weights["w1"].read_value() + weights["b1"].read_value()
-    hidden = xp.maximum(pre, 0)
-    return hidden @ weights["w2"].read_value() + weights["b2"].read_value(), pre, hidden
-
-
-def loss_and_grads(weights, x, y, xp):
-    """Mean softmax cross-entropy over this replica's rows, and its gradients (backpropagation by hand)."""
-    logits, pre, hidden = forward(weights, x, xp)
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
-    rows = xp.arange(len(y))
-    loss = -log_probs[rows, y].mean()
-    d_logits = xp.exp(log_probs)
-    d_logits[rows, y] -= 1
-    d_logits /= len(y)  # the gradient of the *local mean*; the optimizer averages the replicas' gradients
-    d_hidden = (d_logits @ weights["w2"].read_value().T) * (pre > 0)
-    grads = {"w1": x.T @ d_hidden, "b1": d_hidden.sum(axis=0), "w2": hidden.T @ d_logits, "b2": d_logits.sum(axis=0)}
-    return loss, grads
 
 
 def shuffled_batches(x, y, batch_size: int, seed: int):
@@ -73,17 +41,16 @@ def main() -> None:
     xp = strategy.extended.backend.xp  # numpy on the CPU emulator, cupy on GPUs
     x_train, y_train, x_test, y_test = load_digits()
     with strategy.scope():
-        weights = init_weights(x_train.shape[1], 128, 10, seed=0)
+        model = MLP(xp, x_train.shape[1], 128, 10, seed=0)  # its weights become MirroredVariables
         optimizer = distrib.optimizers.Adam(args.learning_rate)
 
     def train_step(x, y):  # runs once per replica, on its share of the global batch
-        loss, grads = loss_and_grads(weights, x, y, xp)
-        optimizer.apply_gradients([(grads[name], weights[name]) for name in weights])
+        loss, grads = model.loss_and_gradients(x, y, xp.float32)  # the gradients of this replica's mean loss
+        optimizer.apply_gradients(list(zip(grads, model.variables.values())))  # averaged across replicas
         return loss
 
     def count_correct(x, y):
-        logits, _, _ = forward(weights, x, xp)
-        return (logits.argmax(axis=1) == y).sum()
+        return (model.logits(x, xp.float32).argmax(axis=1) == y).sum()
 
     start = time.perf_counter()
     for epoch in range(args.epochs):

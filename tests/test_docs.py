@@ -11,8 +11,9 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The CUDA backend's examples need a GPU; tests/gpu runs that path.
+CUDA_ONLY = ("distrib/backends/cuda/backend.py", "distrib/backends/cuda/nccl.py")
 MODULES = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts) for p in (ROOT / "distrib").rglob("*.py")
-                 if p.name != "__main__.py" and p.stem not in ("cuda", "nccl_comms"))
+                 if p.name != "__main__.py" and p.relative_to(ROOT).as_posix() not in CUDA_ONLY)
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -3,7 +3,7 @@
 import numpy as np
 
 from distrib import values
-from distrib.collective.plan import plan_concat_split
+from distrib.plan import plan_concat_split
 
 
 def test_numpy_arrays_and_distributed_values_take_the_flat_fast_path():

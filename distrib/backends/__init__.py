@@ -19,7 +19,7 @@ from distrib.errors import BackendUnavailableError
 
 logger = logging.getLogger("distrib")
 
-_CLASSES = {"cpu": ("distrib.backends.cpu", "CpuBackend"), "cuda": ("distrib.backends.cuda", "CudaBackend")}
+_CLASSES = {"cpu": ("distrib.backends.cpu", "CpuBackend"), "cuda": ("distrib.backends.cuda.backend", "CudaBackend")}
 _INSTANCES: dict[str, Backend] = {}
 _DETECTED: list[tuple[str, str]] = []
 _LOGGED: set[str] = set()

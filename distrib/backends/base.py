@@ -8,7 +8,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from distrib.collective.plan import Buffer
+from distrib.plan import Buffer
 
 
 class Backend(abc.ABC):

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from distrib.backends.base import Backend
-from distrib.collective.plan import Buffer
+from distrib.plan import Buffer
 from distrib.devices import parse_device
 
 DEFAULT_REPLICAS = 2

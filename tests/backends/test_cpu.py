@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from distrib.backends.cpu import BufferPool, CpuBackend, to_numpy
-from distrib.collective.plan import plan_concat_split
+from distrib.plan import plan_concat_split
 from support import DLPackOnly, overwrite
 
 POOLED = BufferPool.MIN_BYTES // 8 * 2  # float64 elements in a buffer large enough to be pooled

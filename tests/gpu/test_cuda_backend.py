@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import distrib
-from distrib.backends import get_backend, nccl_comms
+from distrib.backends import get_backend
+from distrib.backends.cuda import nccl as nccl_comms
 from distrib.backends.cpu import CpuBackend
-from distrib.collective.plan import plan_concat_split
+from distrib.plan import plan_concat_split
 from distrib.errors import CollectiveError, DeadlineExceededError
 
 pytestmark = pytest.mark.gpu
@@ -236,7 +237,7 @@ def test_a_strategy_on_a_gpu_runs_and_reduces_to_host():
 
 
 def test_nvml_names_each_gpu_by_the_uuid_cuda_gives_its_ordinal(backend):
-    from distrib.backends.cuda_devices import cuda_gpus
+    from distrib.backends.cuda.devices import cuda_gpus
 
     assert [g.uuid for g in backend.gpus] == [g.uuid for g in cuda_gpus()]
     assert backend.default_devices() == tuple(f"GPU:{k}" for k in range(cupy.cuda.runtime.getDeviceCount()))

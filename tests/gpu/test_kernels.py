@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from distrib.backends.cuda_dtypes import KERNEL_WIRES
-from distrib.backends.cuda_kernels import WORD_SIZES, Kernels
+from distrib.backends.cuda.dtypes import KERNEL_WIRES
+from distrib.backends.cuda.kernels import WORD_SIZES, Kernels
 
 pytestmark = pytest.mark.gpu
 

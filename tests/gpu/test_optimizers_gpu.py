@@ -9,7 +9,8 @@ import pytest
 
 import distrib
 from distrib import optimizers
-from distrib.backends import cuda_kernels, get_backend
+from distrib.backends import get_backend
+from distrib.backends.cuda import kernels as cuda_kernels
 from distrib.variables import Variable
 
 pytestmark = pytest.mark.gpu

@@ -1,7 +1,7 @@
 """Cross-device ops: NcclAllReduce, HierarchicalCopyAllReduce and ReductionToOneDevice, executed on any backend.
 
 They work on plain arrays, one per device (`components[r]` lives on `devices[r]`); the strategy layer handles
-distributed values. Packing follows `collective/plan.py`; `CommunicationOptions.bytes_per_pack`, when set,
+distributed values. Packing follows `plan.py`; `CommunicationOptions.bytes_per_pack`, when set,
 bounds every pack of every op (TensorFlow ignores it for NCCL, which led to out-of-memory packs).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from distrib.backends.base import Backend
-from distrib.collective import plan as planner
+from distrib import plan as planner
 from distrib.devices import HOST
 from distrib.options import CommunicationOptions, ReduceOp
 

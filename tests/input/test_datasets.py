@@ -14,7 +14,7 @@ import pytest
 import distrib
 from distrib import InputOptions, InputReplicationMode, PerReplica
 from distrib.backends import get_backend
-from distrib.data import ArraySpec, DistributedDataset, DistributedDatasetsFromFunction, InputWorkers, split_bounds
+from distrib.input import ArraySpec, DistributedDataset, DistributedDatasetsFromFunction, InputWorkers, split_bounds
 from support import DLPackOnly
 
 pytestmark = pytest.mark.timeout(30)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distrib.collective.plan import (
+from distrib.plan import (
     concat_split_bounds,
     group_by_dtype,
     group_by_size,

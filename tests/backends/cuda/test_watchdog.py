@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from distrib.backends.watchdog import Watchdog, Watched
+from distrib.backends.cuda.watchdog import Watchdog, Watched
 
 
 class Event:

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from distrib.backends import cuda_kernels
+from distrib.backends.cuda import kernels as cuda_kernels
 
 
 def segment_between(offsets, lo, hi, i, guess):

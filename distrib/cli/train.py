@@ -14,74 +14,23 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-import distrib
-import distrib.optimizers
+from distrib.checkpoint import Checkpoint
+from distrib.cli.model import MLP
+from distrib.cli.progress import History, plot_history, progress_display
 from distrib.datasets import DIGITS_CLASSES, load_digits
+from distrib.mirrored import MirroredStrategy
+from distrib.optimizers import SGD, Adam
+from distrib.strategy import Strategy
+from distrib.variables import Variable
 
 DEFAULT_LEARNING_RATES = {"adam": 0.003, "sgd": 0.05}
-
-
-# -- the model ---------------------------------------------------------------------------------------------
-
-class MLP:
-    """64 -> hidden -> 10 with ReLU and softmax cross-entropy; forward and backward written out in `xp`.
-
-    Weights are float32 distrib.Variables (create the model under `strategy.scope()`); the forward and backward
-    passes run in `dtype` (float32, or float16/bfloat16 for mixed precision), the loss in float32.
-    """
-
-    def __init__(self, xp, features: int, hidden: int, classes: int, seed: int):
-        self.xp = xp
-        rng = np.random.default_rng(seed)
-
-        def he_normal(fan_in: int, fan_out: int) -> np.ndarray:
-            return rng.normal(0.0, np.sqrt(2.0 / fan_in), size=(fan_in, fan_out)).astype(np.float32)
-
-        self.variables = {
-            "hidden_kernel": distrib.Variable(he_normal(features, hidden), name="hidden/kernel"),
-            "hidden_bias": distrib.Variable(np.zeros(hidden, np.float32), name="hidden/bias"),
-            "output_kernel": distrib.Variable(he_normal(hidden, classes), name="output/kernel"),
-            "output_bias": distrib.Variable(np.zeros(classes, np.float32), name="output/bias"),
-        }
-
-    def _weights(self, dtype) -> tuple:
-        return tuple(v.read_value().astype(dtype, copy=False) for v in self.variables.values())
-
-    def logits(self, x, dtype):
-        """Class scores (float32) for a batch of rows."""
-        w1, b1, w2, b2 = self._weights(dtype)
-        hidden = self.xp.maximum(x.astype(dtype, copy=False) @ w1 + b1, 0)
-        return (hidden @ w2 + b2).astype(self.xp.float32)
-
-    def loss_and_gradients(self, x, y, dtype) -> tuple:
-        """The mean cross-entropy over this batch, and its float32 gradients in the order of `variables`."""
-        xp = self.xp
-        w1, b1, w2, b2 = self._weights(dtype)
-        x = x.astype(dtype, copy=False)
-        pre_activation = x @ w1 + b1
-        hidden = xp.maximum(pre_activation, 0)
-        logits = (hidden @ w2 + b2).astype(xp.float32)
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
-        rows = xp.arange(len(y))
-        loss = -log_probs[rows, y].mean()
-
-        d_logits = xp.exp(log_probs)  # softmax - one_hot, over the batch size: the gradient of the mean loss
-        d_logits[rows, y] -= 1
-        d_logits = (d_logits / len(y)).astype(dtype)
-        d_hidden = (d_logits @ w2.T) * (pre_activation > 0)
-        grads = (x.T @ d_hidden, d_hidden.sum(axis=0), hidden.T @ d_logits, d_logits.sum(axis=0))
-        return loss, [g.astype(xp.float32) for g in grads]
-
 
 def compute_dtype(precision: str, xp):
     """The array dtype for `--precision` on this array module; ValueError where it has none."""
@@ -100,8 +49,8 @@ def compute_dtype(precision: str, xp):
 def make_optimizer(name: str, learning_rate: float, momentum: float | None):
     """Adam or SGD from distrib.optimizers (create it under `strategy.scope()`)."""
     if name == "adam":
-        return distrib.optimizers.Adam(learning_rate=learning_rate)
-    return distrib.optimizers.SGD(learning_rate=learning_rate, momentum=momentum or 0.0)
+        return Adam(learning_rate=learning_rate)
+    return SGD(learning_rate=learning_rate, momentum=momentum or 0.0)
 
 
 # -- input ---------------------------------------------------------------------------------------------
@@ -120,114 +69,6 @@ def test_batches(x: np.ndarray, y: np.ndarray, global_batch_size: int):
         yield x[start:start + global_batch_size], y[start:start + global_batch_size]
 
 
-# -- what a run leaves behind ----------------------------------------------------------------------------
-
-@dataclass
-class History:
-    """Per-step training loss and per-epoch test accuracy; saved beside the checkpoint as JSON."""
-
-    step_loss: list[float] = field(default_factory=list)
-    epoch_end_step: list[int] = field(default_factory=list)
-    test_accuracy: list[float] = field(default_factory=list)
-
-    def end_epoch(self, test_accuracy: float) -> None:
-        self.epoch_end_step.append(len(self.step_loss))
-        self.test_accuracy.append(test_accuracy)
-
-    def save(self, path: Path) -> None:
-        """Writes atomically: a crash leaves the previous file."""
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps(asdict(self)))
-        os.replace(partial, path)
-
-    @classmethod
-    def load(cls, path: Path, epochs: int) -> "History":
-        """The first `epochs` epochs of a saved history (it is saved before the checkpoint, so it may hold more)."""
-        saved = cls(**json.loads(path.read_text())) if path.exists() else cls()
-        steps = saved.epoch_end_step[epochs - 1] if 0 < epochs <= len(saved.epoch_end_step) else 0
-        return cls(saved.step_loss[:steps], saved.epoch_end_step[:epochs], saved.test_accuracy[:epochs])
-
-
-def plot_history(history: History, path: Path) -> None:
-    """Writes the loss curve (per step) above the test accuracy (per epoch) as a PNG, with matplotlib's Agg."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 6), layout="constrained")
-    FigureCanvasAgg(figure)
-    loss_axes, accuracy_axes = figure.subplots(2, 1, sharex=True)
-    loss_axes.plot(np.arange(1, len(history.step_loss) + 1), history.step_loss, linewidth=0.8)
-    loss_axes.set(yscale="log", ylabel="training loss (global batch mean)", title="distrib train: digits MLP")
-    loss_axes.grid(alpha=0.3)
-    accuracy_axes.plot(history.epoch_end_step, np.multiply(history.test_accuracy, 100), marker="o")
-    accuracy_axes.set(xlabel="step", ylabel="test accuracy (%)")
-    accuracy_axes.grid(alpha=0.3)
-    figure.savefig(path, dpi=100)
-
-
-# -- progress ------------------------------------------------------------------------------------------
-
-class PlainProgress:
-    """One line per epoch, for logs and terminals without rich."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        pass
-
-    def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:
-        self._label = f"epoch {epoch + 1}/{epochs}"
-
-    def step(self, loss: float, samples_per_second: float) -> None:
-        self._loss, self._rate = loss, samples_per_second
-
-    def end_epoch(self, test_accuracy: float) -> None:
-        print(f"{self._label}  loss {self._loss:.4f}  test accuracy {test_accuracy:.2%}  "
-              f"{self._rate:,.0f} samples/s", flush=True)
-
-
-class RichProgress(PlainProgress):
-    """A live bar for the current epoch with its loss and throughput; a finished epoch stays as a still line."""
-
-    def __init__(self):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-        self._bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                              TextColumn("loss {task.fields[loss]:.4f}"),
-                              TextColumn("{task.fields[rate]:>7,.0f} samples/s"), TimeElapsedColumn(),
-                              TextColumn("{task.fields[accuracy]}"))
-
-    def __enter__(self):
-        self._bars.__enter__()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._bars.__exit__(*exc_info)
-
-    def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:
-        label = f"epoch {epoch + 1:>{len(str(epochs))}}/{epochs}"  # padded, so that the still lines align
-        self._task = self._bars.add_task(label, total=steps, loss=float("nan"), rate=0.0, accuracy="")
-
-    def step(self, loss: float, samples_per_second: float) -> None:
-        self._bars.update(self._task, advance=1, loss=loss, rate=samples_per_second)
-
-    def end_epoch(self, test_accuracy: float) -> None:
-        """Prints the finished bar above the live one and drops it: only one bar is redrawn, however many epochs."""
-        self._bars.update(self._task, accuracy=f"test accuracy {test_accuracy:.2%}")
-        (task,) = (task for task in self._bars.tasks if task.id == self._task)
-        self._bars.console.print(self._bars.make_tasks_table([task]))
-        self._bars.remove_task(self._task)
-
-
-def progress_display() -> PlainProgress:
-    """Rich bars on a terminal, else plain lines; says once when rich is missing."""
-    if importlib.util.find_spec("rich") is None:
-        print("distrib train: rich is not installed, so no progress bar (pip install 'distrib[train]').",
-              file=sys.stderr)
-        return PlainProgress()
-    return RichProgress() if sys.stdout.isatty() else PlainProgress()
-
-
 # -- the loop --------------------------------------------------------------------------------------------
 
 @dataclass
@@ -243,7 +84,7 @@ class Result:
     history: History
 
 
-def train(args: argparse.Namespace, strategy: distrib.Strategy) -> Result:
+def train(args: argparse.Namespace, strategy: Strategy) -> Result:
     """Trains (or resumes) the digits MLP on `strategy` as `args` say; writes a checkpoint every epoch."""
     start = time.perf_counter()
     xp = strategy.extended.backend.xp
@@ -252,8 +93,8 @@ def train(args: argparse.Namespace, strategy: distrib.Strategy) -> Result:
     with strategy.scope():
         model = MLP(xp, x_train.shape[1], args.hidden, DIGITS_CLASSES, args.seed)
         optimizer = make_optimizer(args.optimizer, args.learning_rate, args.momentum)
-        epoch = distrib.Variable(np.int64(0), trainable=False, name="epoch")
-    checkpoint = distrib.Checkpoint(optimizer=optimizer, epoch=epoch, **model.variables)
+        epoch = Variable(np.int64(0), trainable=False, name="epoch")
+    checkpoint = Checkpoint(optimizer=optimizer, epoch=epoch, **model.variables)
     checkpoint_path, history_path = args.out / "ckpt", args.out / "history.json"
     history = History()
     if args.resume:
@@ -345,10 +186,10 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--resume found no checkpoint at {args.out / 'ckpt'}: run without --resume first.")
 
 
-def make_strategy(args: argparse.Namespace) -> distrib.Strategy:
+def make_strategy(args: argparse.Namespace) -> Strategy:
     """The MirroredStrategy `--replicas` asks for; ValueError if the batch or precision cannot run on it."""
     devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]
-    strategy = distrib.MirroredStrategy(devices)
+    strategy = MirroredStrategy(devices)
     replicas = strategy.num_replicas_in_sync
     if args.global_batch_size % replicas:
         raise ValueError(f"--global-batch-size must divide evenly over the {replicas} replicas, so that every "

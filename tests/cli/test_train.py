@@ -12,7 +12,7 @@ import pytest
 
 from distrib import cli
 from distrib.datasets import load_digits
-from distrib.train import main as train_main
+from distrib.cli.train import main as train_main
 
 
 def test_the_digits_split_is_fixed_stratified_and_scaled():

@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 import cupy
 from cupy.cuda import nccl
 
-from distrib.backends.cuda_errors import NCCL_HINT as HINT
-from distrib.backends.watchdog import Watchdog, Watched
+from distrib.backends.cuda.errors import NCCL_HINT as HINT
+from distrib.backends.cuda.watchdog import Watchdog, Watched
 from distrib.errors import CollectiveError, DeadlineExceededError
 
 Launch = Callable[[int, Any, int], None]  # (rank, communicator, stream pointer): issues the rank's NCCL calls

@@ -9,7 +9,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy", reason="CuPy comes with distrib[test]")
 
-from distrib.backends import cuda_errors  # noqa: E402
+from distrib.backends.cuda import errors as cuda_errors  # noqa: E402
 from distrib.errors import (CollectiveError, DeviceError, DistribError, KernelCompileError,  # noqa: E402
                             ResourceExhaustedError)
 
@@ -96,7 +96,7 @@ def test_the_wrapper_chains_the_foreign_exception_and_leaves_distribs_own_alone(
 
 
 def test_every_method_of_the_backend_protocol_translates_foreign_errors():
-    from distrib.backends import cuda
+    from distrib.backends.cuda import backend as cuda
     from distrib.backends.base import Backend
 
     public = {name for name, member in vars(Backend).items() if not name.startswith("_") and callable(member)}

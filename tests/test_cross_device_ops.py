@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from distrib.backends.cpu import CpuBackend
-from distrib.collective.cross_device_ops import HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
+from distrib.cross_device_ops import HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
 from distrib.devices import HOST
 from distrib.options import CommunicationOptions, ReduceOp
 from support import overwrite

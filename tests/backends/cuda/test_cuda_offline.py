@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 
 from distrib import backends, optimizers
-from distrib.backends import cuda_devices, cuda_dtypes, cuda_kernels
-from distrib.backends.cuda_devices import Gpu, format_uuid, visible_gpus
-from distrib.collective.plan import plan_by_size, plan_concat_split
+from distrib.backends.cuda import devices as cuda_devices, dtypes as cuda_dtypes, kernels as cuda_kernels
+from distrib.backends.cuda.devices import Gpu, format_uuid, visible_gpus
+from distrib.plan import plan_by_size, plan_concat_split
 from distrib.errors import BackendUnavailableError
 from distrib.variables import Variable
 
 cupy = pytest.importorskip("cupy", reason="CuPy comes with distrib[test]")
-cuda = pytest.importorskip("distrib.backends.cuda")
+cuda = pytest.importorskip("distrib.backends.cuda.backend")
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 KERNEL_FILES = sorted(cuda_kernels.SOURCES.glob("*.cu"))
 
 

@@ -11,11 +11,14 @@ from typing import Any, Callable, Iterator, Sequence
 import cupy
 import numpy as np
 
-from distrib.backends import cuda_devices, cuda_dtypes, cuda_errors, nccl_comms
 from distrib.backends.base import Backend
+from distrib.backends.cuda import devices as cuda_devices
+from distrib.backends.cuda import dtypes as cuda_dtypes
+from distrib.backends.cuda import errors as cuda_errors
+from distrib.backends.cuda import nccl as nccl_comms
 from distrib.backends.cpu import to_numpy
-from distrib.backends.cuda_kernels import UPDATE_DTYPES, UPDATE_SLOTS, Kernels, update_groups
-from distrib.collective.plan import Buffer
+from distrib.backends.cuda.kernels import UPDATE_DTYPES, UPDATE_SLOTS, Kernels, update_groups
+from distrib.plan import Buffer
 from distrib.devices import parse_device
 from distrib.options import default_timeout
 

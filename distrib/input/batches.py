@@ -1,0 +1,107 @@
+"""Batch splitting: a dataset element's leaves as arrays, TensorFlow's row split, empty batches, placement."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from distrib.backends.base import Backend
+from distrib.input.contexts import InputWorkers
+from distrib.options import InputOptions
+from distrib.values import PerReplica, flatten, format_path, unflatten
+
+
+class ArraySpec(NamedTuple):
+    """Shape and dtype of one leaf of a per-replica batch; the batch dimension is None (it varies)."""
+
+    shape: tuple
+    dtype: np.dtype
+
+
+
+def batch_leaves(element: Any, backend: Backend, what: str) -> tuple[list, Any]:
+    """Leaves of one dataset element as arrays with a batch dimension, and the structure's spec."""
+    leaves, spec = flatten(element)
+    if not leaves:
+        raise ValueError(f"A {what} must hold at least one array. Received: {element!r}.")
+    native = (np.ndarray, backend.xp.ndarray)
+    arrays = []
+    for k, leaf in enumerate(leaves):
+        if isinstance(leaf, native) and leaf.ndim and leaf.dtype.kind not in "OSU":
+            arrays.append(leaf)  # the common case, checked in one line
+            continue
+        try:
+            array = leaf if isinstance(leaf, native) else backend.to_host(leaf)
+        except TypeError as exc:
+            raise TypeError(f"Every leaf of a {what} must be an array. Received: {type(leaf).__name__} at path "
+                            f"{format_path(spec.paths()[k])}.") from exc
+        if array.ndim == 0:
+            hint = " (a Python list is a structure, not an array: use np.asarray)" if spec.paths()[k] and \
+                isinstance(spec.paths()[k][-1], int) else ""
+            raise ValueError(f"Every leaf of a {what} needs a leading batch dimension to split across replicas. "
+                             f"Received: a scalar at path {format_path(spec.paths()[k])}{hint}.")
+        if array.dtype.kind in "OSU":
+            raise TypeError(f"Every leaf of a {what} must be a numeric array. Received: dtype {array.dtype} at "
+                            f"path {format_path(spec.paths()[k])}.")
+        arrays.append(array)
+    return arrays, spec
+
+
+def batch_rows(arrays: Sequence[Any], spec: Any, what: str) -> int:
+    """The batch size shared by every leaf; ValueError naming the paths when they disagree."""
+    rows = arrays[0].shape[0]
+    for k, array in enumerate(arrays[1:], start=1):
+        if array.shape[0] != rows:
+            paths = spec.paths()
+            raise ValueError(f"Every leaf of a {what} must have the same batch size. Received: path "
+                             f"{format_path(paths[k])} has {array.shape[0]} rows, path {format_path(paths[0])} has "
+                             f"{rows}.")
+    return rows
+
+
+@functools.lru_cache(maxsize=256)
+def split_bounds(rows: int, num_slices: int) -> tuple[tuple[int, int], ...]:
+    """Row ranges of TensorFlow's split of a batch of unknown size: slices of ceil(rows / n), the last short.
+
+    Example:
+      >>> split_bounds(7, 4), split_bounds(5, 4)
+      (((0, 2), (2, 4), (4, 6), (6, 7)), ((0, 2), (2, 4), (4, 5), (5, 5)))
+    """
+    size = math.ceil(rows / num_slices) if rows else 0
+    return tuple((min(i * size, rows), min((i + 1) * size, rows)) for i in range(num_slices))
+
+
+def place(workers: InputWorkers, options: InputOptions, per_replica: list[list[Any]]) -> list[list[Any]]:
+    if not options.experimental_fetch_to_device:
+        return [[workers.backend.to_host(a) for a in arrays] for arrays in per_replica]
+    return [workers.backend.prefetch_to_device(arrays, device) for arrays, device in zip(per_replica, workers.devices)]
+
+
+class EmptyBatches:
+    """Empty batches shaped like the latest real one, for replicas that get no rows in a step.
+
+    Only the structure, trailing shapes and dtypes are kept: holding arrays (even empty views) would pin the
+    whole batch they came from.
+    """
+
+    def __init__(self):
+        self._spec: Any = None
+        self._leaves: list[tuple[tuple, np.dtype]] = []
+
+    def remember(self, spec: Any, arrays: Sequence[Any]) -> None:
+        self._spec, self._leaves = spec, [(a.shape[1:], a.dtype) for a in arrays]
+
+    def make(self, count: int, no_data: str) -> tuple[Any, list[list[np.ndarray]]]:
+        """`count` empty batches (host arrays, placed later) and their structure; ValueError(no_data) if no
+        batch has been seen yet to take the shapes from."""
+        if self._spec is None:
+            raise ValueError(no_data)
+        return self._spec, [[np.empty((0,) + shape, dtype) for shape, dtype in self._leaves] for _ in range(count)]
+
+
+def assemble(spec: Any, per_replica: list[list[Any]]) -> Any:
+    """One structure whose leaves are PerReplica values, from each replica's list of leaves."""
+    return unflatten(spec, [PerReplica._wrap(tuple(column)) for column in zip(*per_replica)])

@@ -1,0 +1,64 @@
+"""What input functions are told: ValueContext, InputContext, and InputWorkers (where this process's input goes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from distrib.backends.base import Backend
+
+
+class ValueContext:
+    """What `experimental_distribute_values_from_function` tells `value_fn`: which replica, out of how many."""
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1):
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (f"ValueContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+class InputContext:
+    """What `distribute_datasets_from_function` tells `dataset_fn`: which pipeline it builds, out of how many.
+
+    Example:
+      >>> InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4).get_per_replica_batch_size(8)
+      2
+    """
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0, num_replicas_in_sync: int = 1):
+        self.num_input_pipelines = num_input_pipelines
+        self.input_pipeline_id = input_pipeline_id
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """`global_batch_size // num_replicas_in_sync`; ValueError unless it divides evenly."""
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(f"The global batch size ({global_batch_size}) must be divisible by the number of "
+                             f"replicas in sync ({self.num_replicas_in_sync}).")
+        return global_batch_size // self.num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, input_pipeline_id="
+                f"{self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+@dataclass(frozen=True)
+class InputWorkers:
+    """Where this process's input goes: its replicas' devices, and its place among the input workers.
+
+    A multi-worker strategy sets `num_workers`/`worker_index` and `any_worker_has_data`, which must return True
+    while any worker still has data, so that every worker stops on the same step.
+    """
+
+    backend: Backend
+    devices: tuple[str, ...]  # this worker's replicas
+    num_workers: int = 1
+    worker_index: int = 0
+    any_worker_has_data: Callable[[bool], bool] = field(default=lambda local: local)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self.devices) * self.num_workers

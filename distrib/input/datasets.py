@@ -1,0 +1,235 @@
+"""Distributed datasets: global batches split across replicas, or per-replica pipelines from a function.
+
+`DistributedDataset` splits each global batch of B rows into consecutive slices of ceil(B / N) rows, one per
+replica, the trailing replicas short or empty (an empty batch keeps the trailing shape), exactly as TensorFlow
+2.21 splits batches whose size is not known in advance. `DistributedDatasetsFromFunction` does no splitting:
+each replica takes one element per step from the pipeline `dataset_fn` built. Both prepare the next
+`experimental_per_replica_buffer_size` steps in a background thread, so input work overlaps the training step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+from distrib.input.batches import ArraySpec, EmptyBatches, assemble, batch_leaves, batch_rows, place, split_bounds
+from distrib.input.contexts import InputContext, InputWorkers
+from distrib.input.prefetch import END, Prefetcher
+from distrib.options import InputOptions, InputReplicationMode
+from distrib.values import unflatten
+
+
+class Optional:
+    """A value that may be absent, returned by `DistributedIterator.get_next_as_optional`."""
+
+    def __init__(self, value: Any = None, has_value: bool = False):
+        self._value, self._has_value = value, has_value
+
+    def has_value(self) -> bool:
+        return self._has_value
+
+    def get_value(self) -> Any:
+        if not self._has_value:
+            raise ValueError("The optional has no value: the dataset is exhausted (check has_value() first).")
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"Optional(has_value={self._has_value})"
+
+
+
+class DistributedIterator:
+    """Yields one structure of PerReplica values per step; `get_next_as_optional` for the last partial step."""
+
+    def __init__(self, produce: Callable[[], Any], options: InputOptions, element_spec: Callable[[], Any],
+                 pace: dict):
+        self._element_spec = element_spec
+        # the device buffers plus the one in use, doubled so that each side works in bursts of that size
+        depth = max(4, 2 * (options.experimental_per_replica_buffer_size + 1))
+        self._prefetcher = Prefetcher(produce, depth, pace)
+        weakref.finalize(self, self._prefetcher.close)
+
+    def __iter__(self) -> "DistributedIterator":
+        return self
+
+    def __next__(self) -> Any:
+        return self._prefetcher.get()
+
+    def get_next(self) -> Any:
+        """The next step's per-replica values; StopIteration (OutOfRange in TensorFlow) at the end."""
+        return self._prefetcher.get()
+
+    def get_next_as_optional(self) -> Optional:
+        """The next step's values wrapped in an Optional that is empty once the data runs out."""
+        try:
+            return Optional(self._prefetcher.get(), True)
+        except StopIteration:
+            return Optional()
+
+    @property
+    def element_spec(self) -> Any:
+        return self._element_spec()
+
+    def close(self) -> None:
+        """Ends the iteration and stops the prefetch thread; later `next` calls raise StopIteration."""
+        self._prefetcher.close()
+
+
+class _DatasetBase:
+    """Re-iterable per epoch; one-shot iterables (generator objects) refuse a second epoch instead of yielding none."""
+
+    def __init__(self, workers: InputWorkers, options: InputOptions | None):
+        if options is None:
+            options = InputOptions()
+        elif not isinstance(options, InputOptions):
+            raise TypeError(f"options must be a distrib.InputOptions. Received: {type(options).__name__}.")
+        self._workers, self._options = workers, options
+        self._spec: Any = None
+        self._pace: dict = {}  # the consumer's pace, learned in one epoch and used by the next
+
+    def _record_spec(self, spec: Any, arrays: Sequence[Any]) -> None:
+        if self._spec is None:
+            self._spec = unflatten(spec, [ArraySpec((None,) + tuple(a.shape[1:]), a.dtype) for a in arrays])
+
+    @property
+    def element_spec(self) -> Any:
+        """The structure of a per-replica batch, leaves `ArraySpec((None, ...), dtype)`; known after the first step."""
+        if self._spec is None:
+            raise ValueError("element_spec is known once the first batch has been read; iterate first.")
+        return self._spec
+
+    def _element_spec(self) -> Any:
+        return self.element_spec
+
+
+def _reiterable(source: Iterable, kind: str) -> Callable[[], Iterator]:
+    """A function that opens a fresh iterator per epoch, refusing to silently restart a one-shot iterator."""
+    if not hasattr(source, "__iter__") or isinstance(source, (str, bytes)):
+        raise TypeError(f"{kind} must be iterable (a list, a generator, a dataset object). Received: "
+                        f"{type(source).__name__}.")
+    if isinstance(source, Mapping) or hasattr(source, "__array__") or hasattr(source, "__dlpack__"):
+        unit = "key" if isinstance(source, Mapping) else "row"
+        raise TypeError(f"{kind} must be an iterable of batches, not a single {type(source).__name__} (which "
+                        f"would be read {unit} by {unit}). Pass a list of batches, e.g. "
+                        f"[x[i:i + 64] for i in range(0, len(x), 64)].")
+    opened = []
+
+    def open_epoch() -> Iterator:
+        iterator = iter(source)
+        if iterator is source and opened:
+            raise ValueError(f"{kind} is a one-shot iterator (e.g. a generator object) that was already consumed; "
+                             f"pass a re-iterable (a list, or an object whose __iter__ starts over) to iterate "
+                             f"more than one epoch.")
+        opened.append(True)
+        return iterator
+
+    return open_epoch
+
+
+class DistributedDataset(_DatasetBase):
+    """A dataset of global batches, split along axis 0 across the replicas; iterate it once per epoch.
+
+    Create it with `Strategy.experimental_distribute_dataset`. With several input workers, a dataset that has a
+    `shard(num_shards, index)` method is sharded by it (e.g. by file); otherwise each worker keeps its
+    replicas' slices of every global batch (by data).
+    """
+
+    def __init__(self, dataset: Iterable, workers: InputWorkers, options: InputOptions | None = None):
+        super().__init__(workers, options)
+        if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported by "
+                                      "distribute_datasets_from_function.")
+        self._by_file = workers.num_workers > 1 and callable(getattr(dataset, "shard", None))
+        if self._by_file:
+            dataset = dataset.shard(workers.num_workers, workers.worker_index)
+        self._open = _reiterable(dataset, "The dataset")
+
+    def __iter__(self) -> DistributedIterator:
+        batches = self._open()
+        workers, options = self._workers, self._options
+        local = len(workers.devices)
+        slices = local if self._by_file else workers.num_replicas_in_sync
+        first = 0 if self._by_file else workers.worker_index * local
+        empty = EmptyBatches()
+
+        def produce() -> Any:
+            batch = next(batches, END)
+            has_data = batch is not END
+            if not workers.any_worker_has_data(has_data):
+                raise StopIteration
+            if not has_data:  # other workers still have data: this worker's replicas get empty batches
+                spec, per_replica = empty.make(local, "This worker's shard of the dataset is empty while other "
+                                                      "workers have data; shard the dataset so that every worker "
+                                                      "has some.")
+                return assemble(spec, place(workers, options, per_replica))
+            arrays, spec = batch_leaves(batch, workers.backend, "dataset element")
+            bounds = split_bounds(batch_rows(arrays, spec, "dataset element"), slices)[first:first + local]
+            self._record_spec(spec, arrays)
+            empty.remember(spec, arrays)
+            per_replica = [[a[start:stop] for a in arrays] for start, stop in bounds]
+            return assemble(spec, place(workers, options, per_replica))
+
+        return DistributedIterator(produce, options, self._element_spec, self._pace)
+
+    def __repr__(self) -> str:
+        return f"<DistributedDataset replicas={self._workers.num_replicas_in_sync}>"
+
+
+class DistributedDatasetsFromFunction(_DatasetBase):
+    """Per-replica batches from `dataset_fn(InputContext)` pipelines; each replica takes one element per step.
+
+    Create it with `Strategy.distribute_datasets_from_function`. Nothing is re-batched or sharded: `dataset_fn`
+    batches with `ctx.get_per_replica_batch_size(global_batch)` and shards by `ctx.input_pipeline_id`.
+    """
+
+    def __init__(self, dataset_fn: Callable[[InputContext], Iterable], workers: InputWorkers,
+                 options: InputOptions | None = None):
+        super().__init__(workers, options)
+        if not callable(dataset_fn):
+            raise TypeError(f"dataset_fn must be callable. Received: {type(dataset_fn).__name__}.")
+        count = workers.num_replicas_in_sync
+        if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            first = workers.worker_index * len(workers.devices)
+            contexts = [InputContext(count, first + i, count) for i in range(len(workers.devices))]
+        else:
+            contexts = [InputContext(workers.num_workers, workers.worker_index, count)]
+        self._opens = [_reiterable(dataset_fn(ctx), "The dataset returned by dataset_fn") for ctx in contexts]
+
+    def __iter__(self) -> DistributedIterator:
+        pipelines = [open_epoch() for open_epoch in self._opens]
+        workers, options = self._workers, self._options
+        local = len(workers.devices)
+        pick = ((lambda r: pipelines[r]) if len(pipelines) == local else (lambda r: pipelines[0]))
+        empty = EmptyBatches()
+
+        def produce() -> Any:
+            elements = [next(pick(r), END) for r in range(local)]
+            has_data = any(e is not END for e in elements)
+            if not workers.any_worker_has_data(has_data):
+                raise StopIteration
+            per_replica, spec = [], None
+            for element in elements:
+                if element is END:
+                    per_replica.append(None)
+                    continue
+                arrays, element_spec = batch_leaves(element, workers.backend, "per-replica batch")
+                batch_rows(arrays, element_spec, "per-replica batch")
+                if spec is not None and element_spec != spec:
+                    raise ValueError(f"Every replica's batch must have the same structure. Received: "
+                                     f"{element_spec} vs {spec}.")
+                spec = element_spec
+                empty.remember(spec, arrays)
+                self._record_spec(spec, arrays)
+                per_replica.append(arrays)
+            if None in per_replica:  # replicas whose pipelines ran out get empty batches
+                spec, blanks = empty.make(per_replica.count(None), "This worker's pipelines produced no element "
+                                          "while other workers still have data; shard the data so that every "
+                                          "worker has some.")
+                blanks = iter(blanks)
+                per_replica = [arrays if arrays is not None else next(blanks) for arrays in per_replica]
+            return assemble(spec, place(workers, options, per_replica))
+
+        return DistributedIterator(produce, options, self._element_spec, self._pace)
+
+    def __repr__(self) -> str:
+        return f"<DistributedDatasetsFromFunction replicas={self._workers.num_replicas_in_sync}>"
