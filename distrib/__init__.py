@@ -1,6 +1,6 @@
 """distrib: TensorFlow's tf.distribute programming model on CuPy and NCCL, with a NumPy CPU emulator."""
 
-from distrib import errors, experimental, optimizers
+from distrib import cluster_resolver, coordinator, errors, experimental, optimizers, runner
 from distrib._version import __version__
 from distrib.checkpoint import Checkpoint
 from distrib.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
@@ -11,6 +11,8 @@ from distrib.input import (DistributedDataset, DistributedDatasetsFromFunction, 
 from distrib.mirrored import MirroredStrategy
 from distrib.options import (CommunicationImplementation, CommunicationOptions, InputOptions, InputReplicationMode,
                              ReduceOp, RunOptions)
+from distrib.parameter_server.sharded_variable import ShardedVariable
+from distrib.parameter_server.strategy import ParameterServerStrategy
 from distrib.strategy import ReplicaContext, Strategy, StrategyExtended
 from distrib.values import DistributedValues, Mirrored, PerReplica
 from distrib.variables import (DistributedVariable, MirroredVariable, SyncOnReadVariable, Variable,
@@ -35,11 +37,13 @@ __all__ = [
     "MirroredStrategy",
     "MirroredVariable",
     "NcclAllReduce",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
     "RunOptions",
+    "ShardedVariable",
     "Strategy",
     "StrategyExtended",
     "SyncOnReadVariable",
@@ -47,6 +51,8 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "cluster_resolver",
+    "coordinator",
     "errors",
     "experimental",
     "get_cross_replica_context",
@@ -55,4 +61,5 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "optimizers",
+    "runner",
 ]

@@ -15,7 +15,12 @@ import numpy as np
 
 from distrib import context
 from distrib.errors import CheckpointError, ContextError
+from distrib.parameter_server.sharded_variable import ShardedVariable
+from distrib.parameter_server.variable import ParameterServerVariable
 from distrib.variables import DistributedVariable, MirroredVariable, SyncOnReadVariable, Variable, VariableAggregation
+
+# What a checkpoint saves as one variable: a ShardedVariable saves its full value, so it restores into any shard count.
+_VARIABLES = (Variable, DistributedVariable, ShardedVariable, ParameterServerVariable)
 
 # A file: _MAGIC, the manifest's and the payload's sizes (uint64 little-endian), the JSON manifest, the payload
 # (each array's bytes in C order, at the offset its manifest entry gives), and the SHA-256 of all that.
@@ -161,7 +166,7 @@ class Checkpoint:
                 checkpoints[key] = obj
                 for child_name, child in obj._objects.items():
                     visit(child, _join(key, child_name), outer + (obj,))
-            elif isinstance(obj, (Variable, DistributedVariable)):
+            elif isinstance(obj, _VARIABLES):
                 add(key, obj)
             elif isinstance(obj, dict):
                 for child_name, child in obj.items():
@@ -237,14 +242,14 @@ def _holds_variables(value: Any) -> bool:
         return any(_holds_variables(v) for v in value.values())
     if isinstance(value, (list, tuple)):
         return any(_holds_variables(v) for v in value)
-    return isinstance(value, (Variable, DistributedVariable, Checkpoint)) or _is_owner(value)
+    return isinstance(value, _VARIABLES + (Checkpoint,)) or _is_owner(value)
 
 
 def _owner_variables(owner: Any) -> dict[str, Any]:
     """`owner.variables()` by name; a repeated name gets `_1`, `_2`, ... in the order they come."""
     named: dict[str, Any] = {}
     for variable in owner.variables():
-        if not isinstance(variable, (Variable, DistributedVariable)):
+        if not isinstance(variable, _VARIABLES):
             raise TypeError(f"{type(owner).__name__}.variables() must return distrib variables. Received: "
                             f"{type(variable).__name__}.")
         name, count = variable.name, 0

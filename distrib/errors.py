@@ -11,7 +11,8 @@
         ├── ResourceExhaustedError (+ MemoryError)   a device ran out of memory
         ├── KernelCompileError     (+ RuntimeError)  a CUDA kernel failed to compile (NVRTC)
         ├── DeviceError            (+ RuntimeError)  the CUDA runtime or driver reported another error
-        └── CheckpointError        (+ ValueError)    a checkpoint file is damaged, or does not match the objects
+        ├── CheckpointError        (+ ValueError)    a checkpoint file is damaged, or does not match the objects
+        └── ParameterServerError   (+ RuntimeError)  a parameter server died or cannot be reached
 
 Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class derives from the
 builtin a TensorFlow user would catch, so `except ValueError` keeps working.
@@ -101,3 +102,15 @@ class DeviceError(DistribError, RuntimeError):
 
 class CheckpointError(DistribError, ValueError):
     """A checkpoint file is corrupt, truncated or not a checkpoint, or it does not match the objects restored."""
+
+
+class ParameterServerError(DistribError, RuntimeError):
+    """A parameter server died or cannot be reached; its variables are lost until restored from a checkpoint.
+
+    Attributes:
+      ps_index: which parameter server (its task index in the cluster), or None when unknown.
+    """
+
+    def __init__(self, message: str, *, ps_index: int | None = None):
+        super().__init__(message)
+        self.ps_index = ps_index

@@ -115,6 +115,8 @@ class Optimizer:
         """Creates `iterations` and the slots of `var_list` now, in a cross-replica context (e.g. before a restore)."""
         strategy = context.get_strategy()
         variables = list(var_list)
+        if hasattr(strategy.extended, "_build_optimizer"):  # a strategy that keeps slots elsewhere (on servers)
+            return strategy.extended._build_optimizer(self, variables)
         for position, var in enumerate(variables):
             _check_variable(strategy, var, position)
         self._build(strategy, variables)
@@ -144,11 +146,14 @@ class Optimizer:
             raise ValueError(f"apply needs one gradient per variable. Received: {len(grads)} gradients for "
                              f"{len(variables)} variables.")
         strategy = context.get_strategy()
-        for position, var in enumerate(variables):
+        applied_elsewhere = hasattr(strategy.extended, "_apply_optimizer")  # where the variables live (servers)
+        for position, var in enumerate(variables if not applied_elsewhere else ()):
             _check_variable(strategy, var, position)
         kept = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if not kept:
             raise ValueError(f"No gradients provided for any variable: {[v.name for v in variables]}.")
+        if applied_elsewhere:
+            return strategy.extended._apply_optimizer(self, [g for g, _ in kept], [v for _, v in kept])
         for grad, var in kept:
             _check_gradient_shape(grad, var)
         grads, variables = [g for g, _ in kept], [v for _, v in kept]
@@ -225,7 +230,7 @@ class Optimizer:
     def _create_slot(self, strategy: Any, var: Any, slot_name: str) -> Any:
         zeros = np.zeros(var.shape, _compute_dtype(var.dtype))
         name = f"{var.name}/{slot_name}"
-        if isinstance(var, DistributedVariable):
+        if not isinstance(var, Variable):  # a strategy's variable: the slot goes where it is
             with strategy.scope(), strategy.extended.colocate_vars_with(var):
                 slot = Variable(zeros, trainable=False, name=name)
         else:

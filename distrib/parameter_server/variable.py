@@ -1,0 +1,190 @@
+"""ParameterServerVariable: a handle to a variable living on a parameter-server actor; reads pull, writes push."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from distrib.errors import ParameterServerError
+from distrib.parameter_server import ray_runtime
+from distrib.parameter_server.write_tags import next_tag
+from distrib.variables import VariableAggregation, VariableSynchronization, _ArrayOperators
+
+
+class Pending:
+    """A call sent to a parameter server; `result()` waits for it (and names the server if it died)."""
+
+    def __init__(self, ref: Any, ps_index: int):
+        self._ref, self._ps_index = ref, ps_index
+
+    def result(self) -> Any:
+        return resolve(self._ref, self._ps_index)
+
+
+def resolve(ref: Any, ps_index: int) -> Any:
+    """The result of a call to parameter server `ps_index`, a ParameterServerError if that server is gone."""
+    try:
+        return ray_runtime.get(ref)
+    except ray_runtime.actor_died_errors() as exc:
+        raise ParameterServerError(f"Parameter server {ps_index} (/job:ps/task:{ps_index}) died or cannot be "
+                                   f"reached; its variables are lost. Create the strategy again and restore the "
+                                   f"last checkpoint. Cause: {type(exc).__name__}.", ps_index=ps_index) from exc
+
+
+class ParameterServerVariable(_ArrayOperators):
+    """A variable on one parameter server, what `distrib.Variable(...)` builds under a ParameterServerStrategy.
+
+    Reads fetch the value from the server; writes send the operand there and wait until it is applied, so
+    a write is visible to every later read, from any worker. Inside a closure scheduled with
+    `ClusterCoordinator.schedule`, each write is tagged, and a closure run again after its worker died does
+    not apply a write twice. The handle pickles into closures; its server stays where it is.
+
+    Example:
+      >>> import distrib, numpy as np
+      >>> strategy = distrib.ParameterServerStrategy()
+      >>> with strategy.scope():
+      ...     v = distrib.Variable(np.zeros(3, np.float32), name="v")
+      >>> v.assign_add(np.ones(3, np.float32)).numpy()
+      array([1., 1., 1.], dtype=float32)
+    """
+
+    def __init__(self, server: Any, ps_index: int, key: int, shape: tuple, dtype: np.dtype, name: str,
+                 trainable: bool, aggregation: VariableAggregation):
+        self._server, self._ps_index, self._key = server, ps_index, key
+        self._shape, self._dtype, self._name = tuple(shape), np.dtype(dtype), name
+        self.trainable = trainable
+        self._aggregation = aggregation
+
+    # -- description ------------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> str:
+        return f"/job:ps/task:{self._ps_index}"
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return VariableSynchronization.ON_WRITE
+
+    def __hash__(self) -> int:  # one identity for every unpickled copy of the handle (a dict key in optimizers)
+        return hash(self._key)
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, ParameterServerVariable) and other._key == self._key
+
+    def __repr__(self) -> str:
+        return (f"<ParameterServerVariable {self._name!r} shape={self._shape} dtype={self._dtype.name} "
+                f"device={self.device}>")
+
+    # -- reading ----------------------------------------------------------------------------------------
+
+    def read_value(self) -> np.ndarray:
+        """The current value, fetched from the server (read-only)."""
+        return self._start("read").result()
+
+    def value(self) -> np.ndarray:
+        return self.read_value()
+
+    def numpy(self) -> np.ndarray:
+        """A writable host copy of the value."""
+        return np.array(self.read_value())
+
+    def sparse_read(self, indices: Any) -> np.ndarray:
+        """The rows `indices` (only those travel)."""
+        return self._start("read_rows", np.asarray(indices)).result()
+
+    # -- writing ----------------------------------------------------------------------------------------
+
+    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
+        """Sets the value; returns the variable."""
+        return self._wait(self._start_write("assign", value))
+
+    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
+        """Adds `delta`; returns the variable."""
+        return self._wait(self._start_write("assign_add", delta))
+
+    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
+        """Subtracts `delta`; returns the variable."""
+        return self._wait(self._start_write("assign_sub", delta))
+
+    def scatter_add(self, indices: Any, updates: Any):
+        """Adds `updates[i]` to row `indices[i]` (repeated rows accumulate); returns the variable."""
+        return self._wait(self._start_scatter("add", indices, updates))
+
+    def scatter_sub(self, indices: Any, updates: Any):
+        """Subtracts `updates[i]` from row `indices[i]` (repeated rows accumulate); returns the variable."""
+        return self._wait(self._start_scatter("sub", indices, updates))
+
+    def scatter_update(self, indices: Any, updates: Any):
+        """Sets row `indices[i]` to `updates[i]` (the last one wins for a repeated row); returns the variable."""
+        return self._wait(self._start_scatter("update", indices, updates))
+
+    # -- calls, started here and awaited by the caller (ShardedVariable starts one per shard) -------------
+
+    def _start(self, method: str, *args: Any) -> Pending:
+        try:
+            ref = getattr(self._server, method).remote(self._key, *args)
+        except ray_runtime.actor_died_errors() as exc:
+            raise ParameterServerError(f"Parameter server {self._ps_index} died; restore the last checkpoint.",
+                                       ps_index=self._ps_index) from exc
+        return Pending(ref, self._ps_index)
+
+    def _start_write(self, method: str, value: Any) -> Pending:
+        operand = np.asarray(value.read_value() if hasattr(value, "read_value") else value)
+        _check_operand(self, method, operand)
+        return self._start("write", method, operand, next_tag(self._key))
+
+    def _start_scatter(self, method: str, indices: Any, updates: Any) -> Pending:
+        indices, updates = np.asarray(indices), np.asarray(updates)
+        _check_rows(self, f"scatter_{method}", indices, updates, self._shape[0] if self._shape else 0)
+        return self._start("scatter", method, indices, updates, next_tag(self._key))
+
+    def _wait(self, pending: Pending) -> "ParameterServerVariable":
+        pending.result()
+        return self
+
+
+def _check_operand(variable: Any, method: str, operand: np.ndarray) -> None:
+    """The rules of `Variable.assign*`, checked before anything travels: a broadcastable shape, a castable dtype."""
+    try:
+        fits = np.broadcast_shapes(operand.shape, variable.shape) == tuple(variable.shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{method} needs a value of shape {variable.shape} for variable {variable.name!r}. "
+                         f"Received: shape {operand.shape}.")
+    if not np.can_cast(operand.dtype, variable.dtype, casting="same_kind"):
+        raise TypeError(f"{method} cannot write dtype {operand.dtype} into variable {variable.name!r} of dtype "
+                        f"{variable.dtype}.")
+
+
+def _check_rows(variable: Any, method: str, indices: np.ndarray, updates: np.ndarray, rows: int) -> None:
+    """Row ids are integers in [0, rows); `updates` holds one row (of the variable's row shape) per id."""
+    if indices.dtype.kind not in "iu":
+        raise TypeError(f"{method} needs integer row ids. Received: dtype {indices.dtype} for {variable.name!r}.")
+    if indices.size and (indices.min() < 0 or indices.max() >= rows):
+        raise ValueError(f"{method} needs row ids in [0, {rows}). Received: ids from {indices.min()} to "
+                         f"{indices.max()} for {variable.name!r}.")
+    expected = indices.shape + tuple(variable.shape[1:])
+    if updates.shape != expected:
+        raise ValueError(f"{method} needs updates of shape {expected} (one row per id) for {variable.name!r}. "
+                         f"Received: shape {updates.shape}.")
+    if not np.can_cast(updates.dtype, variable.dtype, casting="same_kind"):
+        raise TypeError(f"{method} cannot write dtype {updates.dtype} into variable {variable.name!r} of dtype "
+                        f"{variable.dtype}.")

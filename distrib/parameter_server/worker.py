@@ -1,0 +1,86 @@
+"""The worker: a Ray actor that runs scheduled closures, and the per-worker values (datasets, iterators) it resolves."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+from typing import Any, Callable
+
+import optree
+
+from distrib.parameter_server.write_tags import closure_writes
+
+_ids = itertools.count()
+
+
+class PerWorkerValues:
+    """One value per worker, made on the worker by `make()` the first time a closure there uses it.
+
+    Passed to `ClusterCoordinator.schedule`, each closure receives the value of the worker it runs on. A worker
+    that is replaced makes its value again.
+    """
+
+    def __init__(self, make: Callable[[], Any]):
+        self._make = make
+        self._key = next(_ids)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} key={self._key}>"
+
+
+class PerWorkerDataset(PerWorkerValues):
+    """A dataset made on each worker (`ClusterCoordinator.create_per_worker_dataset`); `iter()` gives per-worker
+    iterators."""
+
+    def __iter__(self) -> "PerWorkerIterator":
+        make = self._make
+        return PerWorkerIterator(lambda: iter(make()))
+
+
+class PerWorkerIterator(PerWorkerValues):
+    """One iterator per worker: pass it to `schedule` and call `next()` on it inside the closure."""
+
+    def __next__(self) -> Any:
+        raise TypeError("A per-worker iterator is read inside a scheduled closure, where it is the worker's own: "
+                        "pass it to coordinator.schedule(fn, args=(iterator,)) and call next() in fn.")
+
+
+class Worker:
+    """Runs closures one at a time; a closure's error comes back as a value, so only a dead process fails a call.
+
+    Args:
+      index: the worker's task index in the cluster (`/job:worker/task:<index>`).
+    """
+
+    def __init__(self, index: int):
+        self.index = index
+        self._values: dict[int, Any] = {}  # PerWorkerValues key -> this worker's value
+
+    def run(self, closure_id: int, fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any]:
+        """("ok", fn's result) or ("error", the exception fn raised)."""
+        try:
+            args, kwargs = optree.tree_map(self._resolve, (tuple(args), dict(kwargs)), none_is_leaf=True)
+            with closure_writes(closure_id):
+                return "ok", fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every error of user code goes back to the coordinator
+            return "error", _picklable(exc)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _resolve(self, leaf: Any) -> Any:
+        if isinstance(leaf, PerWorkerValues):
+            if leaf._key not in self._values:
+                self._values[leaf._key] = leaf._make()
+            return self._values[leaf._key]
+        return leaf
+
+
+def _picklable(exc: Exception) -> Exception:
+    """`exc` itself when it survives pickling, else a RuntimeError carrying its type and message."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,178 @@
+"""ClusterCoordinator on a local Ray cluster: asynchronous workers, results, errors, and real process deaths."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import distrib
+from distrib.cluster_resolver import RayClusterResolver
+from distrib.coordinator import ClusterCoordinator
+from distrib.errors import ParameterServerError
+from distrib.experimental.partitioners import FixedShardsPartitioner
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def strategy(ray_cluster):
+    """2 workers, 2 parameter servers, variables split in 2."""
+    strategy = distrib.ParameterServerStrategy(RayClusterResolver(num_workers=2, num_ps=2),
+                                               variable_partitioner=FixedShardsPartitioner(2))
+    yield strategy
+    strategy._cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def coordinator(strategy):
+    return ClusterCoordinator(strategy)
+
+
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+    """Polls `condition` (a closure or the test waits for another worker); fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_schedule_returns_remote_values_and_join_waits_for_all(strategy, coordinator):
+    with strategy.scope():
+        total = distrib.Variable(np.float64(0), name="total")
+
+    def add(k):
+        total.assign_add(k)
+        return k * k
+
+    results = [coordinator.schedule(add, args=(k,)) for k in range(20)]
+    coordinator.join()
+    assert coordinator.done()
+    assert float(total.numpy()) == sum(range(20))
+    assert coordinator.fetch(results) == [k * k for k in range(20)]
+    assert results[3].get() == 9 and repr(results[3]) == "<RemoteValue closure=3 done>"
+
+
+def test_a_worker_takes_the_next_closure_without_waiting_for_the_others(strategy, coordinator):
+    with strategy.scope():
+        quick_done = distrib.Variable(np.int64(0), name="quick_done")
+
+    def slow():  # holds its worker until five closures scheduled after it have finished on the other
+        wait_until(lambda: int(quick_done.read_value()) == 5, "the quick closures")
+        return "slow"
+
+    def quick():
+        quick_done.assign_add(1)
+        return os.getpid()
+
+    slow_result = coordinator.schedule(slow)
+    quick_results = [coordinator.schedule(quick) for _ in range(5)]
+    coordinator.join()
+    assert slow_result.fetch() == "slow" and len({r.fetch() for r in quick_results}) == 1
+
+
+def test_an_error_surfaces_at_join_as_its_own_type_while_the_others_finish(strategy, coordinator):
+    with strategy.scope():
+        finished = distrib.Variable(np.int64(0), name="finished")
+
+    def step(k):
+        if k == 3:
+            raise KeyError(f"no feature {k}")
+        finished.assign_add(1)
+
+    results = [coordinator.schedule(step, args=(k,)) for k in range(8)]
+    with pytest.raises(KeyError, match="no feature 3"):
+        coordinator.join()
+    assert int(finished.numpy()) == 7
+    with pytest.raises(KeyError, match="no feature 3"):
+        results[3].fetch()
+    coordinator.join()  # the error was raised once; the coordinator goes on
+    assert coordinator.schedule(lambda: "after").fetch() == "after"
+
+
+def test_per_worker_datasets_give_each_worker_its_own_iterator(coordinator):
+    dataset = coordinator.create_per_worker_dataset(lambda: [(os.getpid(), i) for i in range(100)])
+    iterator = iter(dataset)
+    results = [coordinator.schedule(lambda it: next(it), args=(iterator,)) for _ in range(12)]
+    coordinator.join()
+    by_worker: dict[int, list[int]] = {}
+    for pid, i in coordinator.fetch(results):
+        by_worker.setdefault(pid, []).append(i)
+    assert all(sorted(items) == list(range(len(items))) for items in by_worker.values())  # each from its own start
+
+
+def test_training_with_an_optimizer_in_scheduled_steps(strategy, coordinator):
+    with strategy.scope():
+        w = distrib.Variable(np.zeros(4, np.float32), name="w")
+        optimizer = distrib.optimizers.Adam(learning_rate=0.1)
+        optimizer.build([w])
+    target = np.arange(4, dtype=np.float32)
+
+    def step():
+        def replica_fn():
+            grad = 2 * (np.asarray(w.read_value()) - target)  # d/dw of |w - target|^2
+            optimizer.apply_gradients([(grad, w)])
+        strategy.run(replica_fn)
+
+    for _ in range(150):
+        coordinator.schedule(step)
+    coordinator.join()
+    assert int(optimizer.iterations.numpy()) == 150
+    np.testing.assert_allclose(w.numpy(), target, atol=0.15)
+
+
+def test_a_killed_worker_loses_no_closure_and_applies_none_twice(strategy, coordinator):
+    n = 8
+    with strategy.scope():
+        applied = distrib.Variable(np.zeros(n, np.int64), name="applied")  # sharded: rows on both servers
+        pids = distrib.Variable(np.zeros(n, np.int64), name="pids")
+        gate = distrib.Variable(np.int64(0), name="gate")
+
+    def step(k):
+        applied.scatter_add([k], [1])                 # the write that must happen exactly once
+        pids.scatter_update([k], [os.getpid()])
+        wait_until(lambda: int(gate.read_value()) == 1, "the gate")
+        return k, os.getpid()
+
+    results = [coordinator.schedule(step, args=(k,)) for k in range(n)]
+    wait_until(lambda: pids.numpy()[:2].all(), "the first two closures to start")
+    victim = int(pids.numpy()[0])
+    os.kill(victim, signal.SIGKILL)                   # closure 0's worker dies mid-closure, after its writes
+    gate.assign(1)
+    coordinator.join()
+    finished = [r.fetch() for r in results]
+    assert [k for k, _ in finished] == list(range(n))  # no closure lost
+    assert finished[0][1] != victim                    # closure 0 ran again, in another process ...
+    assert applied.numpy().tolist() == [1] * n         # ... and its write was applied once
+    assert int(pids.numpy()[0]) == victim              # the first run's writes stand; the re-run's were dropped
+    assert coordinator.schedule(os.getpid).fetch() > 0  # the worker was replaced: closures still run
+
+
+def test_a_dead_parameter_server_raises_a_typed_error_and_training_resumes_from_a_checkpoint(ray_cluster, tmp_path):
+    strategy = distrib.ParameterServerStrategy(RayClusterResolver(num_workers=1, num_ps=2))
+    coordinator = ClusterCoordinator(strategy)
+    with strategy.scope():
+        a = distrib.Variable(np.ones(3, np.float32), name="a")
+        b = distrib.Variable(np.ones(3, np.float32), name="b")
+    path = distrib.Checkpoint(a=a, b=b).save(tmp_path / "ps.ckpt")
+    a.assign(np.full(3, 5, np.float32))
+    server = strategy._cluster.servers[int(a.device[-1])]
+    os.kill(ray_cluster.get(server.pid.remote()), signal.SIGKILL)
+    coordinator.schedule(lambda: a.assign_add(np.ones(3, np.float32)))
+    with pytest.raises(ParameterServerError, match=r"^Parameter server \d \(/job:ps/task:\d\) died"):
+        coordinator.join()
+    with pytest.raises(ParameterServerError):
+        a.numpy()
+    strategy._cluster.shutdown()
+
+    resumed = distrib.ParameterServerStrategy(RayClusterResolver(num_workers=1, num_ps=2))
+    with resumed.scope():
+        a = distrib.Variable(np.zeros(3, np.float32), name="a")
+        b = distrib.Variable(np.zeros(3, np.float32), name="b")
+    distrib.Checkpoint(a=a, b=b).restore(path)
+    assert a.numpy().tolist() == [1, 1, 1] and b.numpy().tolist() == [1, 1, 1]
+    resumed._cluster.shutdown()

@@ -1,0 +1,174 @@
+"""ParameterServerStrategy on a local Ray cluster: placement, partitioning, sharded operations, optimizers, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import distrib
+import distrib.runner
+from distrib.cluster_resolver import RayClusterResolver
+from distrib.errors import ContextError
+from distrib.experimental.partitioners import FixedShardsPartitioner, MinSizePartitioner
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def strategy(ray_cluster):
+    """2 parameter servers, variables split into at most 2 shards of at least 16 bytes."""
+    strategy = distrib.ParameterServerStrategy(RayClusterResolver(num_workers=1, num_ps=2),
+                                               variable_partitioner=MinSizePartitioner(16, max_shards=2))
+    yield strategy
+    strategy._cluster.shutdown()
+
+
+def test_variables_go_round_robin_and_large_ones_are_sharded(strategy):
+    with strategy.scope():
+        small = [distrib.Variable(np.float32(k), name=f"s{k}") for k in range(3)]
+        table = distrib.Variable(np.arange(26, dtype=np.float32).reshape(13, 2), name="table")
+    assert len({v.device for v in small}) == 2  # scalars cannot be split: whole, on alternating servers
+    assert isinstance(table, distrib.ShardedVariable)
+    assert [v.shape for v in table.variables] == [(7, 2), (6, 2)]
+    assert [v.name for v in table.variables] == ["table/part_0", "table/part_1"]
+    assert {v.device for v in table.variables} == {"/job:ps/task:0", "/job:ps/task:1"}
+    assert strategy.extended.parameter_devices == ("/job:ps/task:0", "/job:ps/task:1")
+
+
+def test_sharded_operations_on_servers_equal_an_unsharded_variables(strategy):
+    rng = np.random.default_rng(0)
+    full = rng.standard_normal((13, 4)).astype(np.float32)
+    with strategy.scope():
+        table = distrib.Variable(full, name="embeddings")
+    expected = full.copy()
+    np.testing.assert_array_equal(table.numpy(), expected)
+    ids = np.array([[12, 0, 6], [7, 7, 1]])
+    np.testing.assert_array_equal(table.embedding_lookup(ids), expected[ids])
+    rows, updates = np.array([0, 12, 12, 6, 7]), rng.standard_normal((5, 4)).astype(np.float32)
+    table.scatter_add(rows, updates)
+    np.add.at(expected, rows, updates)
+    table.assign_sub(np.full((13, 4), 0.25, np.float32))
+    expected -= 0.25
+    table.scatter_update([3], np.ones((1, 4), np.float32))
+    expected[3] = 1
+    np.testing.assert_allclose(table.numpy(), expected, rtol=1e-6)
+    table.assign(full)
+    np.testing.assert_array_equal(table.read_value(), full)
+
+
+def test_a_variable_with_one_partition_is_a_plain_variable(strategy):
+    with strategy.scope():
+        v = distrib.Variable(np.zeros(2, np.float32), name="tiny")  # 8 bytes: one shard of >= 16
+        with strategy.extended.colocate_vars_with(v):
+            beside = distrib.Variable(np.zeros((100, 4), np.float32), name="beside")
+    assert isinstance(v, distrib.parameter_server.variable.ParameterServerVariable)
+    assert not isinstance(beside, distrib.ShardedVariable) and beside.device == v.device
+    assert v.assign_add(np.ones(2, np.float32)).numpy().tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"^assign_add needs a value of shape \(2,\) for variable 'tiny'"):
+        v.assign_add(np.ones(3, np.float32))
+
+
+def test_the_strategy_api_runs_one_replica(strategy):
+    assert strategy.num_replicas_in_sync == 1
+    assert isinstance(strategy.cluster_resolver, RayClusterResolver)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.arange(3.0) + ctx.replica_id_in_sync_group)
+    out = strategy.run(lambda x: distrib.get_replica_context().all_reduce("SUM", x * 2), args=(values,))
+    assert strategy.experimental_local_results(out)[0].tolist() == [0.0, 2.0, 4.0]
+    assert strategy.reduce("SUM", out, axis=0) == 6.0
+    assert strategy.gather(out, axis=0).tolist() == [0.0, 2.0, 4.0]
+    batches = [np.arange(4.0), np.arange(4.0, 8.0)]
+    local = strategy.experimental_local_results
+    assert [local(b)[0].tolist() for b in strategy.experimental_distribute_dataset(batches)] == \
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+    made = strategy.distribute_datasets_from_function(lambda ctx: [np.full(2, ctx.num_replicas_in_sync)])
+    assert [local(b)[0].tolist() for b in made] == [[1, 1]]
+    with strategy.scope():
+        assert distrib.get_strategy() is strategy
+
+
+def test_optimizer_slots_live_beside_their_variables_and_updates_run_there(strategy):
+    with strategy.scope():
+        table = distrib.Variable(np.ones((6, 2), np.float32), name="opt_table")
+        bias = distrib.Variable(np.ones(1, np.float32), name="opt_bias")
+        optimizer = distrib.optimizers.SGD(learning_rate=0.5, momentum=0.5)
+        optimizer.build([table, bias])
+    momentum = optimizer.get_slot(table, "momentum")
+    assert [s.device for s in momentum.variables] == [v.device for v in table.variables]
+    assert optimizer.get_slot(bias, "momentum").device == bias.device
+    for _ in range(2):
+        strategy.run(lambda: optimizer.apply_gradients([(np.ones((6, 2), np.float32), table),
+                                                        (np.ones(1, np.float32), bias)]))
+    reference = distrib.Variable(np.ones((6, 2), np.float32))
+    reference_optimizer = distrib.optimizers.SGD(learning_rate=0.5, momentum=0.5)
+    for _ in range(2):
+        reference_optimizer.apply_gradients([(np.ones((6, 2), np.float32), reference)])
+    np.testing.assert_allclose(table.numpy(), reference.numpy())
+    assert int(optimizer.iterations.numpy()) == 2
+
+
+def test_checkpoints_restore_across_shard_counts(strategy, tmp_path, ray_cluster):
+    value = np.arange(26, dtype=np.float32).reshape(13, 2)
+    with strategy.scope():
+        table = distrib.Variable(value, name="ckpt_table")
+    path = distrib.Checkpoint(table=table, step=3).save(tmp_path / "ps.ckpt")
+    table.assign(np.zeros_like(value))
+    assert distrib.Checkpoint(table=table, step=0).restore(path) == {"step": 3}
+    np.testing.assert_array_equal(table.numpy(), value)
+    three = distrib.ParameterServerStrategy(RayClusterResolver(num_workers=1, num_ps=3),
+                                            variable_partitioner=FixedShardsPartitioner(3))
+    with three.scope():
+        restored = distrib.Variable(np.zeros_like(value), name="ckpt_table")
+    distrib.Checkpoint(table=restored, step=0).restore(path)
+    assert len(restored.variables) == 3
+    np.testing.assert_array_equal(restored.numpy(), value)
+    plain = distrib.Variable(np.zeros_like(value))
+    distrib.Checkpoint(table=plain, step=0).restore(path)
+    np.testing.assert_array_equal(plain.numpy(), value)
+    three._cluster.shutdown()
+
+
+def test_runner_wrapper_reads_tf_config(monkeypatch, ray_cluster):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["w0:1"], "ps": ["p0:1", "p1:1"]},
+                                                "task": {"type": "chief", "index": 0}}))
+    strategy = distrib.runner.ParameterServerStrategy(min_shard_bytes=64)
+    assert strategy.cluster_resolver.num_tasks("ps") == 2
+    with strategy.scope():
+        table = distrib.Variable(np.zeros((10, 4), np.float32))   # 160 bytes: 2 shards (max_shards = 2 ps)
+        small = distrib.Variable(np.zeros((3, 4), np.float32))    # 48 bytes: one
+    assert [v.shape for v in table.variables] == [(5, 4), (5, 4)] and small.shape == (3, 4)
+    strategy._cluster.shutdown()
+    monkeypatch.delenv("TF_CONFIG")
+    with pytest.raises(ValueError, match="^runner.ParameterServerStrategy reads the cluster from TF_CONFIG"):
+        distrib.runner.ParameterServerStrategy()
+
+
+def test_clear_errors(strategy):
+    with pytest.raises(ValueError, match="^ParameterServerStrategy keeps one copy of each variable"):
+        with strategy.scope():
+            distrib.Variable(np.zeros(2), synchronization="ON_READ", aggregation="SUM")
+    with pytest.raises(ContextError, match="^Create variables in the cross-replica context"):
+        with strategy.scope():
+            strategy.run(lambda: distrib.Variable(np.zeros(2)))
+    with pytest.raises(ValueError, match="^ParameterServerStrategy needs at least one \"ps\" and one \"worker\""):
+        distrib.ParameterServerStrategy(distrib.cluster_resolver.TFConfigClusterResolver())
+    with pytest.raises(TypeError, match="^variable_partitioner must be a Partitioner"):
+        distrib.ParameterServerStrategy(RayClusterResolver(1, 1), variable_partitioner=3)
+
+
+def test_distrib_imports_without_ray_and_the_strategy_says_what_to_install():
+    program = ("import sys; sys.modules['ray'] = None\n"  # as if Ray were not installed
+               "import distrib, numpy as np\n"
+               "from distrib.errors import BackendUnavailableError\n"
+               "assert distrib.experimental.partitioners.FixedShardsPartitioner(2)([4], np.float32) == [2]\n"
+               "try:\n"
+               "    distrib.ParameterServerStrategy(distrib.cluster_resolver.RayClusterResolver(1, 1))\n"
+               "except BackendUnavailableError as exc:\n"
+               "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("ParameterServerStrategy runs on Ray, which is not installed. Install it with "
+                          "pip install 'distrib[ps]'.")
