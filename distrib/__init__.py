@@ -6,6 +6,7 @@ from distrib.checkpoint import Checkpoint
 from distrib.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
 from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                              in_cross_replica_context)
+from distrib.extended import StrategyExtended
 from distrib.input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator, InputContext,
                            ValueContext)
 from distrib.mirrored import MirroredStrategy
@@ -13,7 +14,8 @@ from distrib.options import (CommunicationImplementation, CommunicationOptions, 
                              ReduceOp, RunOptions)
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.strategy import ParameterServerStrategy
-from distrib.strategy import ReplicaContext, Strategy, StrategyExtended
+from distrib.replica_context import ReplicaContext
+from distrib.strategy import Strategy
 from distrib.values import DistributedValues, Mirrored, PerReplica
 from distrib.variables import (DistributedVariable, MirroredVariable, SyncOnReadVariable, Variable,
                                VariableAggregation, VariableSynchronization)

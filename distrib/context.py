@@ -6,8 +6,11 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Iterator, NamedTuple
 
+from distrib.errors import ContextError
+
 if TYPE_CHECKING:  # pragma: no cover
-    from distrib.strategy import ReplicaContext, Strategy
+    from distrib.replica_context import ReplicaContext
+    from distrib.strategy import Strategy
 
 
 class Frame(NamedTuple):
@@ -97,3 +100,19 @@ def get_cross_replica_context() -> "Strategy | None":
     """The current strategy when in a cross-replica context, else None."""
     top = current()
     return top.strategy if top.replica_context is None else None
+
+
+def require_cross_replica(api: str, strategy: "Strategy | None" = None, hint: str = "") -> None:
+    """The one check that `api` runs in a cross-replica context, and inside no other strategy than `strategy`.
+
+    Raises:
+      ContextError (a RuntimeError): called inside a replica function of a non-default strategy.
+      ValueError: called inside the scope of a strategy other than `strategy`.
+    """
+    top = current()
+    if top.replica_context is not None and not is_default(top.strategy):
+        raise ContextError(f"{api} must be called in a cross-replica context (outside Strategy.run, or in a "
+                           f"merge_call's merge_fn), not inside a replica function{'; ' + hint if hint else ''}.")
+    if strategy is not None and not is_default(top.strategy) and top.strategy is not strategy:
+        raise ValueError(f"Mixing different distrib strategies is not allowed: {api} of {strategy!r} was called "
+                         f"inside {top.strategy!r}'s scope.")

@@ -24,9 +24,11 @@ from distrib import context
 from distrib.backends import Backend, cuda_problem, detect, get_backend
 from distrib.cross_device_ops import CrossDeviceOps, default_cross_device_ops
 from distrib.devices import canonical_name, parse_device
-from distrib.errors import DeadlineExceededError, MergeCallMismatchError
+from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
 from distrib.options import CommunicationOptions, default_timeout
-from distrib.strategy import ReplicaContext, Strategy, StrategyExtended
+from distrib.extended import StrategyExtended
+from distrib.replica_context import ReplicaContext
+from distrib.strategy import Strategy
 from distrib.values import regroup, select_replicas
 
 _POLL_SECONDS = 0.05
@@ -183,7 +185,7 @@ class MirroredExtended(StrategyExtended):
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if self._running_thread == threading.get_ident():
-            raise RuntimeError("Strategy.run cannot be called from inside a merge_call's merge_fn of the same "
+            raise ContextError("Strategy.run cannot be called from inside a merge_call's merge_fn of the same "
                                "strategy while its run is in progress.")
         with self._run_lock:
             self._running_thread = threading.get_ident()
@@ -273,15 +275,14 @@ class MirroredExtended(StrategyExtended):
             threads[i].retired = True
             threads[i] = _ReplicaThread(i, self._devices[i], self._backend)
 
-    def _rendezvous(self, replica_context, kind, merge, payload, options):
+    def _rendezvous(self, replica_id, kind, merge, payload, options):
         run = self._current_run
-        worker = self._threads[replica_context.replica_id_in_sync_group]
+        worker = self._threads[replica_id]
         if run is None or worker.thread is not threading.current_thread():
-            raise RuntimeError(f"{kind} must be called from the replica function that Strategy.run is running.")
+            raise ContextError(f"{kind} must be called from the replica function that Strategy.run is running.")
         if run.stopped:
             raise _RequestedStop()
-        timeout = self._options.merge(options).timeout
-        return worker.rendezvous(run, (kind, merge, payload, timeout))
+        return worker.rendezvous(run, (kind, merge, payload, options.timeout))
 
 
 def _count_mismatch(run: _Run) -> str:

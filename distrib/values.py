@@ -161,6 +161,11 @@ def _select(structure: Any, replica_ids: Sequence[int]) -> list[Any]:
     return out
 
 
+def local_components(value: Any) -> tuple | None:
+    """The per-replica components of a distributed value or variable; None for anything else."""
+    return tuple(value.values) if isinstance(value, DistributedValues) else None
+
+
 def is_zero_scalar(value: Any) -> bool:
     """A Python or NumPy scalar 0, which TensorFlow's reductions pass through unchanged whatever the op."""
     return isinstance(value, numbers.Number) and not isinstance(value, (bool, np.bool_)) and value == 0

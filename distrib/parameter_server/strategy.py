@@ -18,7 +18,9 @@ from distrib.parameter_server import optimizer_updates
 from distrib.parameter_server.partitioners import Partitioner, div_offsets
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.variable import ParameterServerVariable
-from distrib.strategy import ReplicaContext, Strategy, StrategyExtended
+from distrib.extended import StrategyExtended
+from distrib.replica_context import ReplicaContext
+from distrib.strategy import Strategy
 from distrib.values import select_replica
 from distrib.variables import VariableAggregation, VariableSynchronization, _enum
 
@@ -126,7 +128,7 @@ class ParameterServerExtended(StrategyExtended):
         with context.frame(self._container_strategy, self._replica_context):
             return fn(*select_replica(0, args), **select_replica(0, kwargs))
 
-    def _rendezvous(self, replica_context, kind, merge, payload, options):
+    def _rendezvous(self, replica_id, kind, merge, payload, options):
         if kind == "all_reduce":  # one replica: nothing to reduce
             return payload[1]
         with context.frame(self._container_strategy, None):

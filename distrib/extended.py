@@ -1,0 +1,340 @@
+"""StrategyExtended: reduce_to, batch_reduce_to, update, broadcast_to, and the interface ReplicaContext uses."""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from distrib import context
+from distrib.backends import Backend
+from distrib.cross_device_ops import CrossDeviceOps
+from distrib.devices import HOST, canonical_name
+from distrib.errors import CollectiveMismatchError, ContextError
+from distrib.input import InputWorkers
+from distrib.options import CommunicationOptions, ReduceOp
+from distrib.replica_context import NOT_REDUCIBLE, normalize_axes
+from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_scalar, local_components, regroup,
+                            select_replica)
+from distrib.variables import (DistributedVariable, MirroredVariable, Variable, VariableAggregation,
+                               VariableSynchronization, create_distributed_variable, update_context)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distrib.strategy import Strategy
+
+
+def _component_array(component: Any) -> Any:
+    """A variable component's current value; anything else as it is."""
+    return component.read_value() if isinstance(component, Variable) else component
+
+
+class StrategyExtended(abc.ABC):
+    """Additional APIs for algorithms that need to be distribution-aware: reduce_to, batch_reduce_to, ...
+
+    Args:
+      container_strategy: the Strategy this extends.
+      backend: where arrays live and collectives run.
+      devices: the replicas' devices, canonical names.
+      cross_device_ops: how values are reduced across devices.
+      communication_options: defaults merged under every collective's own options.
+    """
+
+    def __init__(self, container_strategy: "Strategy", backend: Backend, devices: Sequence[str],
+                 cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions):
+        self._container_strategy = container_strategy
+        self._backend = backend
+        self._devices = tuple(devices)
+        self._cross_device_ops = cross_device_ops
+        self._options = communication_options
+        self._colocation = threading.local()  # .variable: the one colocate_vars_with is in effect for
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """The devices replicas run on, in replica order."""
+        return self._devices
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """The devices variables are placed on (every replica's device for a mirrored strategy)."""
+        return self._devices
+
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} devices={self._devices}>"
+
+    @property
+    def backend(self) -> Backend:
+        """Where this strategy's arrays live and its collectives run."""
+        return self._backend
+
+    def _require_cross_replica(self, api: str, hint: str = "") -> None:
+        context.require_cross_replica(api, self._container_strategy, hint)
+
+    # -- destinations -----------------------------------------------------------------------------------
+
+    def _destinations(self, destinations: Any) -> tuple[str, ...]:
+        if destinations is None:
+            raise ValueError("destinations must be a device name, a distributed value or a distributed variable. "
+                             "Received: None.")
+        if isinstance(destinations, (list, tuple)):
+            raise ValueError(f"destinations can not be a list or tuple; pass a device name or a distributed value. "
+                             f"Received: {destinations!r}.")
+        if isinstance(destinations, str):
+            if destinations == HOST:
+                return (HOST,)
+            name = canonical_name(destinations)
+            if name in self._devices:
+                return (name,)
+            if name == "CPU:0":  # the host CPU, when it is not one of the replicas' devices
+                return (HOST,)
+            raise ValueError(f"Unknown destination {destinations!r}: expected one of the strategy's devices "
+                             f"{self._devices}, 'CPU:0' or 'host' for the host CPU.")
+        if isinstance(destinations, DistributedVariable):
+            return destinations.devices
+        if isinstance(destinations, DistributedValues):
+            if len(destinations.values) == len(self._devices):
+                return self._devices
+            raise ValueError(f"destinations has {len(destinations.values)} components but the strategy has "
+                             f"{len(self._devices)} replicas.")
+        raise TypeError(f"destinations must be a device name, a distributed value or a distributed variable. "
+                        f"Received: {type(destinations).__name__}.")
+
+    # -- reductions -------------------------------------------------------------------------------------
+
+    def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any,
+                  options: CommunicationOptions | None = None) -> Any:
+        """Reduces `value` (usually a PerReplica) to `destinations`; returns a `Mirrored` there.
+
+        A `Mirrored` value with MEAN is returned unchanged; a plain value with MEAN too; a plain value with SUM
+        on more than one replica raises ValueError (it would be counted once per replica).
+        """
+        self._require_cross_replica("reduce_to")
+        op = ReduceOp.from_value(reduce_op)
+        return self._reduce_to(op, value, self._destinations(destinations), options)
+
+    def _reduce_to(self, op: ReduceOp, value: Any, destinations: tuple[str, ...],
+                   options: CommunicationOptions | None) -> Any:
+        (result,) = self._batch_reduce_to(op, [(value, destinations)], options)
+        return result
+
+    def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
+                        options: CommunicationOptions | None = None) -> list:
+        """Several reduce_to calls in one: pairs reduced onto their own devices share packed all-reduces.
+
+        Example:
+          >>> import distrib, numpy as np
+          >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+          >>> v = s.experimental_distribute_values_from_function(lambda ctx: np.ones(3, np.float32))
+          >>> [m.values[0].tolist() for m in s.extended.batch_reduce_to("SUM", [(v, v), (v, v)])]
+          [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
+        """
+        self._require_cross_replica("batch_reduce_to")
+        op = ReduceOp.from_value(reduce_op)
+        if isinstance(value_destination_pairs, (str, bytes)) or not isinstance(value_destination_pairs,
+                                                                                (list, tuple)):
+            raise TypeError("value_destination_pairs must be a list of (value, destinations) pairs.")
+        pairs = []
+        for k, pair in enumerate(value_destination_pairs):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise TypeError(f"value_destination_pairs[{k}] must be a (value, destinations) pair. Received: "
+                                f"{pair!r}.")
+            pairs.append((pair[0], self._destinations(pair[1])))
+        return self._batch_reduce_to(op, pairs, options)
+
+    def _batch_reduce_to(self, op: ReduceOp, pairs: Sequence[tuple[Any, tuple[str, ...]]],
+                         options: CommunicationOptions | None) -> list:
+        options = self._merged_options(options)
+        backend, devices = self._backend, self._devices
+        results: list[Any] = [None] * len(pairs)
+        all_reduce_ids, all_reduce_values = [], []
+        for k, (value, destinations) in enumerate(pairs):
+            components = local_components(value)
+            mirrored = isinstance(value, (Mirrored, MirroredVariable))  # TensorFlow's is_mirrored
+            if mirrored and op is ReduceOp.MEAN:
+                results[k] = value
+            elif mirrored:
+                raise ValueError("reduce_to(SUM) of a Mirrored value would count it once per replica; a Mirrored "
+                                 "value is already reduced. Reduce the PerReplica value it came from instead.")
+            elif components is None:
+                results[k] = self._reduce_non_distributed(op, value, destinations)
+            elif len(components) != len(devices):
+                raise ValueError(f"reduce_to needs one component per replica ({len(devices)}). Received: "
+                                 f"{len(components)}.")
+            else:
+                arrays = [backend.to_device(_component_array(c), d) for c, d in zip(components, devices)]
+                _check_reduce_inputs(arrays, k)
+                if destinations == devices:
+                    all_reduce_ids.append(k)
+                    all_reduce_values.append(arrays)
+                else:
+                    results[k] = Mirrored(self._cross_device_ops.reduce_to(backend, op, arrays, devices,
+                                                                           destinations))
+        if all_reduce_ids:
+            per_replica = [list(values) for values in zip(*all_reduce_values)]
+            reduced = self._cross_device_ops.batch_all_reduce(backend, op, per_replica, devices, options)
+            for k, arrays in zip(all_reduce_ids, zip(*reduced)):
+                results[k] = Mirrored(arrays)
+        return results
+
+    def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: tuple[str, ...]) -> Any:
+        if is_zero_scalar(value) or op is ReduceOp.MEAN:
+            return value
+        if len(self._devices) > 1:
+            raise ValueError(f"A non-distributed value cannot be reduced with SUM on {len(self._devices)} replicas: it "
+                             f"would be counted once per replica. Received: {type(value).__name__}. Pass a "
+                             f"PerReplica (from run or experimental_distribute_values_from_function) instead.")
+        return self._broadcast(value, destinations)
+
+
+    def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """Copies `tensor` to every destination device as a Mirrored; Python numbers are returned unchanged."""
+        self._require_cross_replica("broadcast_to")
+        if isinstance(tensor, (int, float)) and not isinstance(tensor, bool):
+            return tensor
+        return self._broadcast(tensor, self._destinations(destinations))
+
+    def _broadcast(self, value: Any, destinations: tuple[str, ...]) -> Mirrored:
+        if destinations == (HOST,):
+            return Mirrored([self._backend.to_host(value)])
+        source = self._backend.to_device(value, destinations[0])
+        return Mirrored(self._cross_device_ops.broadcast(self._backend, source, destinations))
+
+    # -- variables --------------------------------------------------------------------------------------
+
+    def _create_variable(self, initial_value: Any, trainable: bool | None = None, name: str | None = None,
+                         synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
+                         aggregation: VariableAggregation | str = VariableAggregation.NONE,
+                         dtype: Any = None) -> DistributedVariable:
+        """What `distrib.Variable(...)` builds inside this strategy's scope."""
+        context.require_cross_replica("distrib.Variable", hint="create variables inside strategy.scope(), outside "
+                                      "strategy.run, so that every replica shares them")
+        colocated = getattr(self._colocation, "variable", None)
+        devices = colocated.devices if colocated is not None else self._devices
+        return create_distributed_variable(self._container_strategy, self._backend, devices, initial_value,
+                                           trainable, name, synchronization, aggregation, dtype)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Any) -> Iterator[None]:
+        """Variables created in this block are placed on the same devices as `colocate_with_variable`.
+
+        Example:
+          >>> import distrib, numpy as np
+          >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+          >>> with s.scope():
+          ...     v1 = distrib.Variable(np.zeros(3, np.float32))
+          ...     with s.extended.colocate_vars_with(v1):
+          ...         v2 = distrib.Variable(np.float32(1))
+          >>> v2.devices == v1.devices
+          True
+        """
+        top = context.current()
+        if top.strategy is not self._container_strategy:
+            raise ContextError("colocate_vars_with must be used inside the strategy's scope().")
+        if not isinstance(colocate_with_variable, DistributedVariable) or \
+                colocate_with_variable._strategy is not self._container_strategy:
+            raise ValueError(f"colocate_vars_with needs a variable created in this strategy's scope. Received: "
+                             f"{colocate_with_variable!r}.")
+        with context.thread_value(self._colocation, "variable", colocate_with_variable):
+            yield
+
+    def update(self, var: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None,
+               group: bool = True) -> Any:
+        """Runs `fn(component, *args_i, **kwargs_i)` on each of `var`'s components, on its device.
+
+        `args`/`kwargs` are unwrapped per component (a Mirrored gives its i-th value; distributed variables
+        read their i-th component). From a replica context this goes through merge_call. With `group`, the
+        results come back regrouped (the variable itself when fn returns its components), else per replica.
+        """
+        if not callable(fn):
+            raise TypeError(f"update needs a callable fn. Received: {type(fn).__name__}.")
+        ctx = context.get_replica_context()
+        if ctx is not None and ctx.strategy is self._container_strategy:
+            return ctx.merge_call(lambda strategy, *a, **kw: strategy.extended.update(var, fn, a, kw, group),
+                                  args=args, kwargs=kwargs)
+        if isinstance(var, DistributedVariable):
+            if var._strategy is not self._container_strategy:
+                raise ValueError(f"update got a variable of another strategy: {var!r}.")
+            components = var.values
+        elif isinstance(var, Variable):
+            components = (var,)
+        else:
+            raise TypeError(f"update needs a variable. Received: {type(var).__name__}.")
+        kwargs = kwargs or {}
+        results = []
+        with self._container_strategy.scope():  # fn sees this strategy, cross-replica, as in TensorFlow
+            for i, component in enumerate(components):
+                with update_context(i), self._backend.device_scope(component.device):
+                    results.append(fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs)))
+        return regroup(results, Mirrored if group else PerReplica)
+
+    def _input_workers(self) -> InputWorkers:
+        """This process's share of the input: one worker feeding every local replica."""
+        return InputWorkers(self._backend, self._devices)
+
+    # -- host and device results, for Strategy.reduce and Strategy.gather ----------------------------------
+
+    def _reduce_to_host(self, op: ReduceOp, value: Any, axis) -> np.ndarray:
+        """`value` reduced across replicas (and first along `axis` within each) to one host NumPy array."""
+        if axis is None:
+            result = self._reduce_to(op, value, (HOST,), None)
+            return self._backend.to_host(result.values[0] if isinstance(result, DistributedValues) else result)
+        backend, devices = self._backend, self._devices
+        components = local_components(value)
+        if components is None:  # TensorFlow runs the per-replica reduction on every replica
+            components = (value,) * len(devices)
+        arrays = [backend.to_device(c, d) for c, d in zip(components, devices)]
+        axes = normalize_axes(axis, arrays[0].ndim)
+        sums = []
+        for array, device in zip(arrays, devices):
+            with backend.device_scope(device):  # each replica's partial sum on its own device and stream
+                sums.append(backend.xp.sum(array, axis=axes, dtype=array.dtype if array.dtype.kind != "b" else None))
+        total = backend.to_host(self._cross_device_ops.reduce_to(backend, ReduceOp.SUM, sums, devices, (HOST,))[0])
+        if op is ReduceOp.SUM:
+            return total
+        count = sum(math.prod(a.shape[i] for i in axes) for a in arrays)
+        return np.asarray(total / np.asarray(count, dtype=total.dtype))  # 0-d division gives a NumPy scalar
+
+    # -- the ReplicaHost interface (distrib/replica_context.py) ------------------------------------------
+
+    def _merged_options(self, options: CommunicationOptions | None) -> CommunicationOptions:
+        return self._options.merge(options)
+
+    def _to_replica_device(self, values: Sequence[Any], replica_id: int) -> list[Any]:
+        return self._backend.to_device_all(values, self._devices[replica_id])
+
+    def _batch_all_reduce(self, op: ReduceOp, per_replica: Sequence[Sequence[Any]],
+                          options: CommunicationOptions) -> list[list[Any]]:
+        return self._cross_device_ops.batch_all_reduce(self._backend, op, per_replica, self._devices, options)
+
+    def _batch_all_gather(self, per_replica: Sequence[Sequence[Any]], axis: int,
+                          options: CommunicationOptions) -> list[list[Any]]:
+        gathered = [self._cross_device_ops.all_gather(self._backend, list(column), self._devices, axis)
+                    for column in zip(*per_replica)]
+        return [list(values) for values in zip(*gathered)]
+
+    @abc.abstractmethod
+    def _rendezvous(self, replica_id: int, kind: str, merge: Callable[[list], list], payload: Any,
+                    options: CommunicationOptions) -> Any:
+        """See `ReplicaHost._rendezvous`."""
+
+    @abc.abstractmethod
+    def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Runs `fn` once per replica, each in its replica context; the results regrouped."""
+
+
+def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
+    first = arrays[0]
+    if first.dtype.kind in NOT_REDUCIBLE:
+        raise TypeError(f"Reductions need numeric values. Received: dtype {first.dtype} at value {position}.")
+    for replica_id, array in enumerate(arrays[1:], start=1):
+        if array.shape != first.shape or array.dtype != first.dtype:
+            raise CollectiveMismatchError(
+                f"reduce_to needs the same shape and dtype on every replica. Received: replica {replica_id}, value "
+                f"{position}, {array.dtype}{list(array.shape)} vs {first.dtype}{list(first.shape)}.")

@@ -1,0 +1,221 @@
+"""ReplicaContext: what a replica function may call (all_reduce, all_gather, merge_call), and their layout checks."""
+
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+from distrib import context
+from distrib.errors import CollectiveMismatchError, ContextError
+from distrib.options import CommunicationOptions, ReduceOp
+from distrib.values import flatten, format_path, regroup, select_replicas, structure_mismatch, unflatten
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distrib.strategy import Strategy
+
+# Array kinds that cannot be summed: bool (NumPy's + is logical or), objects, bytes, strings, void.
+NOT_REDUCIBLE = "bOSUV"
+
+
+class ReplicaHost(Protocol):
+    """What a ReplicaContext asks of its strategy's extended object: the whole interface, nothing else.
+
+    `options` arguments are already merged over the strategy's defaults (`merged_options`), once per collective.
+    """
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]: ...
+
+    def _merged_options(self, options: CommunicationOptions | None) -> CommunicationOptions:
+        """The strategy's CommunicationOptions with `options` merged over them (TensorFlow's rule)."""
+
+    def _to_replica_device(self, values: Sequence[Any], replica_id: int) -> list[Any]:
+        """`values` as arrays on replica `replica_id`'s device."""
+
+    def _rendezvous(self, replica_id: int, kind: str, merge: Callable[[list], list], payload: Any,
+                    options: CommunicationOptions) -> Any:
+        """Blocks replica `replica_id` until every replica arrives, then returns its share of `merge(payloads)`.
+
+        `merge` runs once, on the thread that called `run`, in the cross-replica context; it receives one
+        payload per replica in replica order and returns one result per replica. `options.timeout` bounds the wait.
+        """
+
+    def _batch_all_reduce(self, op: ReduceOp, per_replica: Sequence[Sequence[Any]],
+                          options: CommunicationOptions) -> list[list[Any]]:
+        """All-reduce of `per_replica[r][v]` (arrays already on replica r's device); the same layout back."""
+
+    def _batch_all_gather(self, per_replica: Sequence[Sequence[Any]], axis: int,
+                          options: CommunicationOptions) -> list[list[Any]]:
+        """Concatenation along `axis` of each value over the replicas, on every replica; the same layout back."""
+
+
+class ReplicaContext:
+    """The APIs available inside a replica function: all_reduce, all_gather, merge_call and the replica's id.
+
+    Get it with `distrib.get_replica_context()` inside the function passed to `Strategy.run`.
+
+    Example:
+      >>> import distrib, numpy as np
+      >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+      >>> def step():
+      ...     ctx = distrib.get_replica_context()
+      ...     return ctx.all_reduce("SUM", np.float32(ctx.replica_id_in_sync_group + 1))
+      >>> [float(x) for x in s.experimental_local_results(s.run(step))]
+      [3.0, 3.0]
+    """
+
+    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int):
+        self._strategy = strategy
+        self._replica_id = replica_id_in_sync_group
+
+    @property
+    def _host(self) -> ReplicaHost:
+        return self._strategy.extended
+
+    @property
+    def strategy(self) -> "Strategy":
+        """The strategy this replica belongs to."""
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's id, from 0 to num_replicas_in_sync - 1."""
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas are kept in sync."""
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The device this replica runs on, as a 1-tuple."""
+        return (self._host.worker_devices[self._replica_id],)
+
+    def _require_current(self, api: str) -> None:
+        if context.get_replica_context() is not self:
+            raise ContextError(f"ReplicaContext.{api} must be called inside the function passed to Strategy.run, "
+                               f"on the replica it belongs to (replica {self._replica_id}).")
+
+    def merge_call(self, merge_fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> Any:
+        """Runs `merge_fn(strategy, *args, **kwargs)` once, cross-replica, with per-replica args as PerReplica.
+
+        Every replica must call merge_call (and every collective, which is one) the same number of times.
+        Returns this replica's component of the result.
+        """
+        self._require_current("merge_call")
+        if not callable(merge_fn):
+            raise TypeError(f"merge_fn must be callable. Received: {type(merge_fn).__name__}.")
+        strategy = self._strategy
+
+        def merge(payloads: list) -> list:
+            merged_args = regroup([p[0] for p in payloads])
+            merged_kwargs = regroup([p[1] for p in payloads])
+            result = merge_fn(strategy, *merged_args, **merged_kwargs)
+            return select_replicas(result, len(payloads))
+
+        host = self._host
+        return host._rendezvous(self._replica_id, "merge_call", merge, (tuple(args), dict(kwargs or {})),
+                                host._merged_options(None))
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None) -> Any:
+        """Reduces `value` (a nested structure of arrays) across replicas; every replica gets the result.
+
+        All leaves travel in one batched reduction, packed by dtype and `options.bytes_per_pack`. MEAN of
+        integers gives floats (1..4 averages to 2.5).
+
+        Raises:
+          CollectiveMismatchError (a ValueError): replicas passed different structures, shapes or dtypes.
+        """
+        self._require_current("all_reduce")
+        op = ReduceOp.from_value(reduce_op)
+        host = self._host
+        options = host._merged_options(options)
+        leaves, spec = flatten(value)
+        if not leaves:
+            return value
+        arrays = host._to_replica_device(leaves, self._replica_id)
+        if any(dtype.kind in NOT_REDUCIBLE for dtype in {a.dtype for a in arrays}):  # few distinct dtypes
+            k = next(k for k, a in enumerate(arrays) if a.dtype.kind in NOT_REDUCIBLE)
+            raise TypeError(f"all_reduce needs numeric values. Received: dtype {arrays[k].dtype} at path "
+                            f"{format_path(spec.paths()[k])}.")
+
+        def merge(payloads: list) -> list:
+            check_same_layout("all_reduce", payloads)
+            return host._batch_all_reduce(op, [p[1] for p in payloads], options)
+
+        return unflatten(spec, host._rendezvous(self._replica_id, "all_reduce", merge, (spec, arrays), options))
+
+    def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
+        """Concatenates `value` from every replica along `axis`; shapes may differ along `axis` only."""
+        self._require_current("all_gather")
+        host = self._host
+        options = host._merged_options(options)
+        leaves, spec = flatten(value)
+        if not leaves:
+            return value
+        arrays = host._to_replica_device(leaves, self._replica_id)
+
+        def merge(payloads: list) -> list:
+            check_same_layout("all_gather", payloads, gather_axis=axis)
+            return host._batch_all_gather([p[1] for p in payloads], axis, options)
+
+        return unflatten(spec, host._rendezvous(self._replica_id, "all_gather", merge, (spec, arrays), options))
+
+    def __repr__(self) -> str:
+        return (f"<ReplicaContext replica_id_in_sync_group={self._replica_id} "
+                f"num_replicas_in_sync={self.num_replicas_in_sync}>")
+
+
+def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
+    """`axis` (an int or a sequence of ints, negative from the end) as non-negative axes of a rank-`ndim` value."""
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    out = []
+    for a in axes:
+        if isinstance(a, bool) or not isinstance(a, numbers.Integral):
+            raise TypeError(f"axis must be an int, a tuple of ints or None. Received: {axis!r}.")
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for a value of rank {ndim}.")
+        out.append(int(a) % ndim)
+    return tuple(out)
+
+
+def check_gather_shapes(api: str, shapes: Sequence[tuple], dtypes: Sequence, axis: int, path: tuple) -> int:
+    """Checks that shapes agree except along `axis` and dtypes agree; returns the normalized axis."""
+    ndim = len(shapes[0])
+    if ndim == 0:
+        raise ValueError(f"{api} needs values of rank >= 1 to concatenate along axis {axis}. Received: a scalar "
+                         f"at path {format_path(path)}.")
+    (axis,) = normalize_axes(axis, ndim)
+    for replica_id, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        if dtype != dtypes[0]:
+            raise CollectiveMismatchError(f"{api} needs the same dtype on every replica. Received: replica "
+                                          f"{replica_id}, path {format_path(path)}, dtype {dtype} vs {dtypes[0]}.")
+        if len(shape) != ndim or any(a != b for i, (a, b) in enumerate(zip(shape, shapes[0])) if i != axis):
+            raise CollectiveMismatchError(f"{api} needs shapes that differ only along axis {axis}. Received: "
+                                          f"replica {replica_id}, path {format_path(path)}, shape {shape} vs "
+                                          f"{shapes[0]}.")
+    return axis
+
+
+def check_same_layout(api: str, payloads: list, gather_axis: int | None = None) -> None:
+    """Every replica's (spec, arrays) must match replica 0's: structure, then each leaf's shape and dtype."""
+    spec0, arrays0 = payloads[0]
+    for replica_id, (spec, _) in enumerate(payloads[1:], start=1):  # every structure first: leaves line up after
+        if spec != spec0:
+            raise CollectiveMismatchError(structure_mismatch(f"{api} needs the same structure on every replica",
+                                                              replica_id, spec0.paths(), spec.paths(), spec0, spec))
+    if gather_axis is not None:
+        for k, path in enumerate(spec0.paths()):
+            check_gather_shapes(api, [p[1][k].shape for p in payloads], [p[1][k].dtype for p in payloads],
+                                 gather_axis, path)
+        return
+    shapes0, dtypes0 = [a.shape for a in arrays0], [a.dtype for a in arrays0]
+    for replica_id, (_, arrays) in enumerate(payloads[1:], start=1):
+        if [a.shape for a in arrays] == shapes0 and [a.dtype for a in arrays] == dtypes0:
+            continue  # the common case, checked in bulk
+        for k, path in enumerate(spec0.paths()):
+            for what, mine, first in (("shape", arrays[k].shape, shapes0[k]), ("dtype", arrays[k].dtype, dtypes0[k])):
+                if mine != first:
+                    raise CollectiveMismatchError(f"{api} needs the same {what} on every replica. Received: replica "
+                                                  f"{replica_id}, path {format_path(path)}, {what} {mine} vs {first}.")
