@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import threading
@@ -17,6 +16,7 @@ from distrib.backends.cuda import dtypes as cuda_dtypes
 from distrib.backends.cuda import errors as cuda_errors
 from distrib.backends.cuda import nccl as nccl_comms
 from distrib.backends.cpu import to_numpy
+from distrib.backends.cuda.staging import Stager
 from distrib.backends.cuda.kernels import UPDATE_DTYPES, UPDATE_SLOTS, Kernels, update_groups
 from distrib.plan import Buffer
 from distrib.devices import parse_device
@@ -99,7 +99,7 @@ class CudaBackend(Backend):
         self._comms = nccl_comms.Communicators()
         self._nccl_version: int | None = None
         self._side_streams: dict[int, cupy.cuda.Stream] = {}  # host-to-device input copies
-        self._staging: collections.deque = collections.deque()  # (event, pinned buffers) of copies in flight
+        self._stager = Stager()  # pinned buffers and threads for input copies
 
     @property
     def xp(self):
@@ -169,17 +169,17 @@ class CudaBackend(Backend):
                 for v in values]
 
     def prefetch_to_device(self, values, device):
-        """Host batches to `device` through pinned memory on a side stream, so the copy overlaps the step.
+        """Host batches to `device` through pooled pinned memory on a side stream, so the copy overlaps the step.
 
         The device buffers come from the device's own stream (allocated after the work queued so far, which
         the side stream waits for, so reused pool memory is never overwritten early); the device's stream then
         waits on the copy's event, so kernels that use the batch start only after it has arrived, without the
-        host waiting. Pinned staging buffers stay referenced until their copy has completed.
+        host waiting. Staging (backends/cuda/staging.py) fills reused pinned buffers in parallel, chunk by chunk,
+        each chunk's copy queued as soon as it is staged; a buffer returns to the pool once its copy has completed.
         """
         ordinal = self._ordinal(device)
         stream, side = self._stream(ordinal), self._side_stream(ordinal)
-        self._release_staging()
-        out, staging = [], []
+        out, staged = [], []
         with cupy.cuda.Device(ordinal):
             with stream:
                 side.wait_event(stream.record(cupy.cuda.Event(disable_timing=True)))
@@ -191,15 +191,11 @@ class CudaBackend(Backend):
                 with stream:
                     array = cupy.empty(host.shape, host.dtype)
                 if host.nbytes:
-                    memory = cupy.cuda.alloc_pinned_memory(host.nbytes)
-                    pinned = np.frombuffer(memory, host.dtype, host.size).reshape(host.shape)
-                    pinned[...] = host
-                    array.set(pinned, stream=side)
-                    staging.append(memory)
+                    staged.append(self._stager.upload(host, array, side))
                 out.append(array)
             done = side.record(cupy.cuda.Event(disable_timing=True))
             stream.wait_event(done)
-        self._staging.append((done, staging))
+        self._stager.pool.release_after(done, staged)
         return out
 
     def _side_stream(self, ordinal: int) -> cupy.cuda.Stream:
@@ -208,11 +204,6 @@ class CudaBackend(Backend):
                 with cupy.cuda.Device(ordinal):
                     self._side_streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
             return self._side_streams[ordinal]
-
-    def _release_staging(self) -> None:
-        """Drops pinned buffers whose copies have completed, oldest first."""
-        while self._staging and self._staging[0][0].done:
-            self._staging.popleft()
 
     def to_host(self, array: Any) -> np.ndarray:
         if not _on_gpu(array):

@@ -1,0 +1,47 @@
+"""Input staging on a GPU: chunked parallel copies through pooled pinned memory arrive whole and in order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distrib.backends import get_backend
+from distrib.backends.cuda import staging
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return get_backend("cuda")
+
+
+@pytest.mark.parametrize("nbytes", [1, 4096 + 3, staging.CHUNK_BYTES, 3 * staging.CHUNK_BYTES + 5])
+def test_prefetched_batches_arrive_byte_for_byte(backend, nbytes):
+    rng = np.random.default_rng(nbytes)
+    batch = [rng.integers(0, 256, nbytes, dtype=np.uint8), rng.standard_normal((7, 3)).astype(np.float32)]
+    out = backend.prefetch_to_device(batch, "GPU:0")
+    with backend.device_scope("GPU:0"):
+        np.testing.assert_array_equal(out[0].get(), batch[0])
+        np.testing.assert_array_equal(out[1].get(), batch[1])
+
+
+def test_pinned_buffers_are_reused_once_their_copies_have_completed(backend):
+    batch = [np.ones(2 * staging.CHUNK_BYTES, np.uint8)]
+    backend.prefetch_to_device(batch, "GPU:0")
+    backend.synchronize()
+    pool = backend._stager.pool
+    first = pool.take(batch[0].nbytes)  # the buffer of the finished copy comes back
+    pool.release_after(type("Done", (), {"done": True})(), [(batch[0].nbytes, first)])
+    assert pool.take(batch[0].nbytes) is first
+
+
+def test_a_batch_changed_after_prefetch_does_not_change_what_arrived(backend):
+    host = np.arange(3 * staging.CHUNK_BYTES // 4, dtype=np.float32)
+    (out,) = backend.prefetch_to_device([host], "GPU:0")
+    expected = host.copy()
+    host[:] = -1  # the staging copy was taken before prefetch returned
+    with backend.device_scope("GPU:0"):
+        np.testing.assert_array_equal(out.get(), expected)
