@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from distrib.backends.base import Backend
 from distrib import plan as planner
 from distrib.devices import HOST
-from distrib.options import CommunicationOptions, ReduceOp
+from distrib.options import CommunicationImplementation, CommunicationOptions, ReduceOp
 
 
 def _is_float(array: Any) -> bool:
@@ -116,7 +116,7 @@ class ReductionToOneDevice(CrossDeviceOps):
 
 
 class _PackedAllReduce(CrossDeviceOps):
-    """Shared by the all-reduce ops: plan packs, pack, reduce each pack, unpack."""
+    """Shared by the all-reduce ops: plan the packs and how they move, and hand the whole plan to the backend."""
 
     def __init__(self, num_packs: int = 1):
         if isinstance(num_packs, bool) or not isinstance(num_packs, int):
@@ -124,57 +124,51 @@ class _PackedAllReduce(CrossDeviceOps):
         if num_packs < 0:
             raise ValueError(f"num_packs must be non-negative. Received: {num_packs}.")
         self.num_packs = num_packs
-        self._plans: dict[tuple, planner.Plan] = {}  # a training step asks for the same plan every time
+        self._plans: dict[tuple, planner.AllReducePlan] = {}  # a training step asks for the same plan every time
 
     _MAX_CACHED_PLANS = 256
 
     def plan(self, specs: Sequence[tuple], options: CommunicationOptions) -> planner.Plan:
         """The packing plan: by bytes when `options.bytes_per_pack` is set, else concat-and-split by num_packs."""
-        key = (tuple(specs), options.bytes_per_pack)
+        if options.bytes_per_pack > 0:
+            return planner.plan_by_size(specs, options.bytes_per_pack)
+        return planner.plan_concat_split(specs, self.num_packs)
+
+    def _method(self, implementation: CommunicationImplementation) -> str:
+        """How this op moves each chunk, given the requested implementation."""
+        raise NotImplementedError
+
+    def all_reduce_plan(self, specs: Sequence[tuple], op: ReduceOp, num_devices: int,
+                        options: CommunicationOptions) -> planner.AllReducePlan:
+        """The whole plan a backend executes for values of these (shape, dtype) specs; cached per request."""
+        key = (tuple(specs), op, num_devices, options.bytes_per_pack, options.implementation)
         plan = self._plans.get(key)
         if plan is None:
-            if options.bytes_per_pack > 0:
-                plan = planner.plan_by_size(specs, options.bytes_per_pack)
-            else:
-                plan = planner.plan_concat_split(specs, self.num_packs)
+            plan = planner.all_reduce_plan(self.plan(specs, options), self._method(options.implementation),
+                                           op is ReduceOp.MEAN, num_devices)
             if len(self._plans) >= self._MAX_CACHED_PLANS:
                 self._plans.clear()
             self._plans[key] = plan
         return plan
 
-    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack, timeout):
-        raise NotImplementedError
-
     def batch_all_reduce(self, backend, op, per_replica, devices, options):
-        count = len(devices)
-        plan = self.plan([(v.shape, v.dtype) for v in per_replica[0]], options)
-        mean = op is ReduceOp.MEAN
-        results = [[None] * len(per_replica[0]) for _ in range(count)]
-        first_pack = 0
-        for buffer in plan.buffers:
-            indices = [m.index for m in buffer.members]
-            # integer MEAN is SUM then true division, so 1..4 averages to 2.5 as in TensorFlow
-            float_mean = mean and buffer.dtype.startswith(("float", "complex", "bfloat"))
-            flats = [backend.pack([values[i] for i in indices], buffer, device)
-                     for values, device in zip(per_replica, devices)]
-            reduced = self._reduce_flats(backend, flats, buffer, list(devices), float_mean, first_pack,
-                                         options.timeout)
-            first_pack += len(buffer.chunks)
-            for out, flat, device in zip(results, reduced, devices):
-                arrays = backend.unpack(flat, buffer)
-                if mean and not float_mean:
-                    with backend.device_scope(device):
-                        arrays = [backend.xp.asarray(a / count) for a in arrays]
-                for i, array in zip(indices, arrays):
-                    out[i] = array
-        return results
+        plan = self.all_reduce_plan([(v.shape, v.dtype) for v in per_replica[0]], op, len(devices), options)
+        return backend.execute(plan, per_replica, list(devices), timeout=options.timeout)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_packs={self.num_packs})"
 
 
+_METHODS = {CommunicationImplementation.AUTO: planner.NATIVE, CommunicationImplementation.RING: planner.RING,
+            CommunicationImplementation.NCCL: planner.NCCL}
+
+
 class NcclAllReduce(_PackedAllReduce):
     """All-reduce through the backend's collective: NCCL on GPUs, in-order sums on the CPU emulator.
+
+    `CommunicationOptions.implementation` picks how each pack moves: AUTO the backend's all-reduce; RING a
+    reduce-scatter then an all-gather; NCCL requires NCCL, so on the CPU emulator the first collective raises
+    `BackendUnavailableError` (TensorFlow also fails at collective time on a machine without GPUs).
 
     Args:
       num_packs: with `bytes_per_pack` unset, each dtype's values are concatenated and cut into this many
@@ -185,43 +179,27 @@ class NcclAllReduce(_PackedAllReduce):
       >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=distrib.NcclAllReduce(num_packs=2))
     """
 
-    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack, timeout):
-        return backend.all_reduce(flats, buffer.chunks, devices, mean, timeout=timeout)
+    def _method(self, implementation):
+        return _METHODS[implementation]
 
 
 class HierarchicalCopyAllReduce(_PackedAllReduce):
     """TensorFlow's DGX-1 scheme: each half of the devices sums on one member, the halves swap, then copy out.
 
     For pack i the sum is built on device `m0 = i % n` (its half) and on `m1` in the other half, so packs
-    spread the work over devices. Works for any device count; with one device it is a copy.
+    spread the work over devices. Works for any device count; with one device it is a copy. It always copies,
+    whatever `CommunicationOptions.implementation` asks, as in TensorFlow.
+
+    Args:
+      num_packs: with `bytes_per_pack` unset, each dtype's values are concatenated and cut into this many packs.
+
+    Example:
+      >>> import distrib
+      >>> s = distrib.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=distrib.HierarchicalCopyAllReduce())
     """
 
-    def _reduce_flats(self, backend, flats, buffer, devices, mean, first_pack, timeout):
-        n = len(devices)
-        outs = [backend.empty(flats[0].shape, flats[0].dtype, d) for d in devices]
-        for pack, (start, stop) in enumerate(buffer.chunks, start=first_pack):
-            parts = [f[start:stop] for f in flats]
-            if n == 1:
-                with backend.device_scope(devices[0]):
-                    outs[0][start:stop] = parts[0]
-                continue
-            halves = (list(range(n // 2)), list(range(n // 2, n)))
-            m0 = pack % n
-            near, far = halves if m0 in halves[0] else halves[::-1]
-            m1 = far[pack % len(far)]
-            total = backend.add_n([backend.add_n([parts[i] for i in near], devices[m0]),
-                                   backend.copy(backend.add_n([parts[i] for i in far], devices[m1]), devices[m0])],
-                                  devices[m0])
-            if mean:
-                with backend.device_scope(devices[m0]):
-                    total /= n
-            total_far = backend.copy(total, devices[m1])
-            for group, source in ((near, total), (far, total_far)):
-                for i in group:
-                    local = source if i in (m0, m1) else backend.copy(source, devices[i])
-                    with backend.device_scope(devices[i]):
-                        outs[i][start:stop] = local
-        return outs
+    def _method(self, implementation):
+        return planner.HIERARCHICAL
 
 
 def default_cross_device_ops(backend: Backend) -> CrossDeviceOps:

@@ -6,6 +6,26 @@ import enum
 import numbers
 import os
 from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+def coerce_enum(cls: type[enum.Enum], value: object, argument: str, *, rule: str = "", by_name: bool = False) -> Any:
+    """`value` as a member of the enum `cls`: a member, or its name in any case; with `by_name`, also any
+    object whose `.name` is a member's name. Otherwise ValueError stating the rule (by default "`argument`
+    must be one of ..."), then what was received.
+
+    Example:
+      >>> coerce_enum(ReduceOp, "mean", "reduce_op")
+      <ReduceOp.MEAN: 'MEAN'>
+    """
+    if isinstance(value, cls):
+        return value
+    name = value if isinstance(value, str) else getattr(value, "name", None) if by_name else None
+    if isinstance(name, str) and name.upper() in cls.__members__:
+        return cls[name.upper()]
+    rule = rule or f"{argument} must be one of {', '.join(cls.__members__)}"
+    kind = "" if isinstance(value, str) else f" of type {type(value).__name__}"
+    raise ValueError(f"{rule}. Received: {value!r}{kind}.")
 
 
 class ReduceOp(enum.Enum):
@@ -23,24 +43,18 @@ class ReduceOp(enum.Enum):
 
     @classmethod
     def from_value(cls, value: object) -> "ReduceOp":
-        """Converts a ReduceOp or a string naming one; raises ValueError for any other op."""
-        if isinstance(value, ReduceOp):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                pass
-            raise ValueError(f"Only SUM and MEAN are supported reduce ops. Received: {value!r}.")
-        name = getattr(value, "name", None)  # a VariableAggregation or TensorFlow's ReduceOp
-        if isinstance(name, str) and name.upper() in cls.__members__:
-            return cls[name.upper()]
-        raise ValueError(f"Only SUM and MEAN are supported reduce ops (a ReduceOp or a string). "
-                         f"Received: {value!r} of type {type(value).__name__}.")
+        """Converts a ReduceOp, a string naming one, or an enum of the same name (VariableAggregation.SUM,
+        TensorFlow's ReduceOp); raises ValueError for any other op."""
+        return coerce_enum(cls, value, "reduce_op", rule="Only SUM and MEAN are supported reduce ops", by_name=True)
 
 
 class CommunicationImplementation(enum.Enum):
-    """Which collective implementation to prefer: AUTO, RING (host/emulated) or NCCL (GPUs)."""
+    """How NcclAllReduce moves its packs: AUTO (the backend's all-reduce), RING or NCCL.
+
+    RING reduce-scatters each pack, then all-gathers it (the ring algorithm's two phases); NCCL insists on
+    NCCL, so on the CPU emulator the first collective raises `BackendUnavailableError`, as TensorFlow fails at
+    collective time without GPUs. HierarchicalCopyAllReduce and ReductionToOneDevice keep their own algorithm.
+    """
 
     AUTO = "AUTO"
     RING = "RING"
@@ -48,11 +62,8 @@ class CommunicationImplementation(enum.Enum):
 
     @classmethod
     def from_value(cls, value: object) -> "CommunicationImplementation":
-        if isinstance(value, CommunicationImplementation):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(f"implementation must be one of AUTO, RING, NCCL. Received: {value!r}.")
+        """Converts a CommunicationImplementation or its name, in any case; raises ValueError for anything else."""
+        return coerce_enum(cls, value, "implementation")
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,7 @@ class CommunicationOptions:
         cross-device op, not only the collective one, so large models never build one giant buffer.
       timeout_seconds: how long replicas wait at a collective for the others before
         `distrib.errors.DeadlineExceededError`; None uses the strategy default (see the README).
-      implementation: a `CommunicationImplementation` or its name, in any case.
+      implementation: a `CommunicationImplementation` or its name, in any case: how NcclAllReduce's packs move.
 
     Example:
       >>> opts = CommunicationOptions(bytes_per_pack=32 << 20, timeout_seconds=60)

@@ -9,7 +9,10 @@ within each group. Two packing rules exist, both TensorFlow's:
   buffer is cut into `num_packs` nearly equal chunks, ignoring value boundaries, the remainder in the last
   chunk; 0 means one call per value.
 
-Every replica computes the identical plan from the same (shape, dtype) list, so plans need no exchange.
+Every replica computes the identical plan from the same (shape, dtype) list, so plans need no exchange. An
+`AllReducePlan` adds what a backend needs to execute a whole batched all-reduce: how each chunk moves (the
+backend's all-reduce, ring, NCCL only, or hierarchical copy with its summing devices) and whether it averages.
+This module imports nothing from distrib: backends import its data types, never the reverse.
 """
 
 from __future__ import annotations
@@ -194,3 +197,56 @@ def plan_concat_split(specs: Sequence[Spec], num_packs: int) -> Plan:
         total = sum(specs[i][2] for i in group)
         buffers.append(_buffer(group, specs, tuple(concat_split_bounds(total, num_packs))))
     return Plan(tuple(buffers))
+
+
+# -- how a batched all-reduce moves its packs ------------------------------------------------------------------
+
+NATIVE = "native"  # the backend's own all-reduce: NCCL on GPUs, in-order sums on the CPU emulator
+RING = "ring"  # reduce-scatter then all-gather, the two phases of the ring algorithm
+NCCL = "nccl"  # NATIVE where the backend's collectives are NCCL; any other backend refuses the plan
+HIERARCHICAL = "hierarchical"  # TensorFlow's hierarchical copy: each half sums on one device, the halves swap
+METHODS = (NATIVE, RING, NCCL, HIERARCHICAL)
+
+
+@dataclass(frozen=True)
+class AllReducePlan:
+    """A whole batched all-reduce as data: the packing, how every chunk moves, and whether it averages.
+
+    `roots[k]` (HIERARCHICAL only) are the devices `(m0, m1)`, by position, that sum the k-th chunk of the
+    plan (chunks counted across buffers in order): m0 sums its half and m1 the other half.
+    """
+
+    packing: Plan
+    method: str
+    mean: bool
+    num_devices: int
+    roots: tuple[tuple[int, int], ...] = ()
+
+
+def hierarchical_roots(num_chunks: int, num_devices: int) -> tuple[tuple[int, int], ...]:
+    """TensorFlow's choice of summing devices for hierarchical copy: chunk k sums on m0 = k % n, in its half,
+    and on m1 in the other half, so consecutive chunks spread the work over the devices.
+
+    Example:
+      >>> hierarchical_roots(3, 4)
+      ((0, 2), (1, 3), (2, 0))
+    """
+    if num_devices < 2:
+        return ((0, 0),) * num_chunks
+    halves = (range(num_devices // 2), range(num_devices // 2, num_devices))
+    roots = []
+    for k in range(num_chunks):
+        m0 = k % num_devices
+        far = halves[1] if m0 in halves[0] else halves[0]
+        roots.append((m0, far[k % len(far)]))
+    return tuple(roots)
+
+
+def all_reduce_plan(packing: Plan, method: str, mean: bool, num_devices: int) -> AllReducePlan:
+    """The AllReducePlan of `packing` moved by `method` over `num_devices` devices (MEAN when `mean`)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}. Received: {method!r}.")
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be at least 1. Received: {num_devices}.")
+    roots = hierarchical_roots(packing.num_calls, num_devices) if method == HIERARCHICAL else ()
+    return AllReducePlan(packing, method, mean, num_devices, roots)

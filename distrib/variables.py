@@ -17,6 +17,7 @@ import numpy as np
 
 from distrib import context
 from distrib.backends import Backend, get_backend
+from distrib.options import coerce_enum
 from distrib.values import DistributedValues, PerReplica, is_zero_scalar, register_leaf_type
 
 
@@ -36,14 +37,6 @@ class VariableAggregation(enum.Enum):
     SUM = "SUM"
     MEAN = "MEAN"
     ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
-
-
-def _enum(cls: type, value: Any, argument: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str) and value.upper() in cls.__members__:
-        return cls[value.upper()]
-    raise ValueError(f"{argument} must be one of {[m.name for m in cls]}. Received: {value!r}.")
 
 
 def _idle_refcount() -> int:
@@ -118,8 +111,8 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
                  synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
                  aggregation: VariableAggregation | str = VariableAggregation.NONE, dtype: Any = None, *,
                  device: str = "CPU:0", backend: Backend | None = None):
-        self._synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
-        self._aggregation = _enum(VariableAggregation, aggregation, "aggregation")
+        self._synchronization = coerce_enum(VariableSynchronization, synchronization, "synchronization")
+        self._aggregation = coerce_enum(VariableAggregation, aggregation, "aggregation")
         self._backend = backend if backend is not None else get_backend("cpu")
         self._device = device
         if callable(initial_value):
@@ -415,8 +408,8 @@ def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequen
                                 aggregation: VariableAggregation | str = VariableAggregation.NONE,
                                 dtype: Any = None) -> DistributedVariable:
     """The strategy's variable: components named `<name>/replica_<i>`, all starting from one initial value."""
-    synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
-    aggregation = _enum(VariableAggregation, aggregation, "aggregation")
+    synchronization = coerce_enum(VariableSynchronization, synchronization, "synchronization")
+    aggregation = coerce_enum(VariableAggregation, aggregation, "aggregation")
     if synchronization is VariableSynchronization.NONE:
         raise ValueError("synchronization=NONE is not supported for distributed variables; use AUTO, ON_WRITE "
                          "or ON_READ.")

@@ -157,3 +157,22 @@ def test_a_default_merge_call_runs_cross_replica_on_the_default_strategy():
 
     assert distrib.get_replica_context().merge_call(merge_fn, args=(5,)) == (True, True, None, 5)
     assert distrib.in_cross_replica_context() is False
+
+
+def test_one_cross_replica_check_names_the_api_and_the_hint():
+    from distrib.context import require_cross_replica
+    from distrib.errors import ContextError
+
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    require_cross_replica("my_api", strategy)  # outside any scope: fine
+    with strategy.scope():
+        require_cross_replica("my_api", strategy)
+
+    def in_replica():
+        with pytest.raises(ContextError, match=r"^my_api must be called in a cross-replica context .*; use x\.$"):
+            require_cross_replica("my_api", strategy, hint="use x")
+
+    strategy.run(in_replica)
+    other = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    with other.scope(), pytest.raises(ValueError, match="^Mixing different distrib strategies is not allowed: my_api"):
+        require_cross_replica("my_api", strategy)

@@ -7,9 +7,11 @@ import math
 import numpy as np
 import pytest
 
+import distrib
 from distrib.backends.cpu import CpuBackend
 from distrib.cross_device_ops import HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
 from distrib.devices import HOST
+from distrib.errors import BackendUnavailableError
 from distrib.options import CommunicationOptions, ReduceOp
 from support import overwrite
 
@@ -369,3 +371,33 @@ def test_the_options_timeout_reaches_the_backend_collective(options, expected):
         backend = TimeoutRecordingBackend()
         op.batch_all_reduce(backend, ReduceOp.SUM, per_replica, devices(2), options)
         assert backend.timeouts == [(call, expected)]
+
+
+# CommunicationOptions.implementation decides how NcclAllReduce's packs move
+
+
+def test_ring_implementation_reduce_scatters_then_all_gathers_with_the_same_sums():
+    backend, devs = CountingCpuBackend(), [f"CPU:{i}" for i in range(3)]
+    values = [[np.full(5, r + k, np.float32) for r in range(3)] for k in range(2)]
+    ring = all_reduce_values(NcclAllReduce(), backend, ReduceOp.SUM, values, devs,
+                             CommunicationOptions(implementation="RING"))
+    assert backend.all_reduce_calls == []  # no native all-reduce: two phases instead
+    auto = all_reduce_values(NcclAllReduce(), backend, ReduceOp.SUM, values, devs, CommunicationOptions())
+    for got, want in zip(ring, auto):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_nccl_implementation_on_the_cpu_emulator_fails_at_the_collective():
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"],
+                                        communication_options=CommunicationOptions(implementation="NCCL"))
+    with pytest.raises(BackendUnavailableError, match=r"^CommunicationImplementation.NCCL needs NCCL between GPUs"):
+        strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1)))
+
+
+def test_hierarchical_copy_and_reduction_to_one_device_keep_their_algorithm_whatever_the_implementation():
+    backend, devs = CpuBackend(), ["CPU:0", "CPU:1"]
+    values = [[np.float32(1), np.float32(2)]]
+    for op in (HierarchicalCopyAllReduce(), ReductionToOneDevice()):
+        result = all_reduce_values(op, backend, ReduceOp.SUM, values, devs, CommunicationOptions(implementation="NCCL"))
+        assert [float(x) for x in result[0]] == [3.0, 3.0]

@@ -203,3 +203,16 @@ def test_placing_the_dataset_on_device_excludes_fetching_to_device():
     with pytest.raises(ValueError, match="experimental_place_dataset_on_device=True requires "
                                          "experimental_fetch_to_device=False"):
         InputOptions(experimental_place_dataset_on_device=True)
+
+
+def test_one_enum_coercer_takes_members_and_names_in_any_case_and_states_the_rule():
+    from distrib.options import coerce_enum
+
+    assert coerce_enum(CommunicationImplementation, "Ring", "implementation") is CommunicationImplementation.RING
+    assert coerce_enum(distrib.VariableAggregation, "only_first_replica", "aggregation") is \
+        distrib.VariableAggregation.ONLY_FIRST_REPLICA
+    with pytest.raises(ValueError, match=r"^aggregation must be one of NONE, SUM, MEAN, ONLY_FIRST_REPLICA\. "
+                                         r"Received: 'max'\.$"):
+        coerce_enum(distrib.VariableAggregation, "max", "aggregation")
+    with pytest.raises(ValueError, match=r"^implementation must be one of AUTO, RING, NCCL\. Received: 3 of type int"):
+        coerce_enum(CommunicationImplementation, 3, "implementation")

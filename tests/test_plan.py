@@ -10,9 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distrib.plan import (
+    HIERARCHICAL,
+    NATIVE,
+    RING,
+    all_reduce_plan,
     concat_split_bounds,
     group_by_dtype,
     group_by_size,
+    hierarchical_roots,
     plan_by_size,
     plan_concat_split,
 )
@@ -315,3 +320,41 @@ def test_plan_concat_split_without_packs_properties(specs):
     assert_layout(plan, specs)
     assert indices(plan) == [[i] for i in range(len(specs))]
     assert plan.num_calls == sum(1 for shape, _ in specs if math.prod(shape) > 0)
+
+
+# all_reduce_plan: how the packs move
+
+
+@pytest.mark.parametrize("num_devices, roots", [
+    (1, ((0, 0), (0, 0), (0, 0))),
+    (2, ((0, 1), (1, 0), (0, 1))),
+    (4, ((0, 2), (1, 3), (2, 0))),
+    (5, ((0, 2), (1, 3), (2, 0), (3, 1), (4, 0), (0, 4))),
+])
+def test_hierarchical_roots_sum_each_chunk_in_both_halves_and_spread_over_the_devices(num_devices, roots):
+    assert hierarchical_roots(len(roots), num_devices) == roots
+    for m0, m1 in roots:
+        if num_devices > 1:  # m0 and m1 lie in different halves
+            assert (m0 < num_devices // 2) != (m1 < num_devices // 2)
+
+
+def test_a_hierarchical_plan_names_the_summing_devices_of_every_chunk_across_buffers():
+    packing = plan_concat_split([((4,), "float32"), ((6,), "int32"), ((2,), "float32")], 2)
+    plan = all_reduce_plan(packing, HIERARCHICAL, mean=True, num_devices=4)
+    assert plan.packing is packing and plan.mean and plan.num_devices == 4
+    assert len(plan.roots) == packing.num_calls == 4
+    assert plan.roots == hierarchical_roots(4, 4)
+
+
+@pytest.mark.parametrize("method", [NATIVE, RING])
+def test_other_plans_carry_no_roots(method):
+    plan = all_reduce_plan(plan_concat_split([((3,), "float32")], 1), method, mean=False, num_devices=3)
+    assert plan.method == method and plan.roots == ()
+
+
+def test_an_unknown_method_or_no_devices_is_a_value_error():
+    packing = plan_concat_split([((3,), "float32")], 1)
+    with pytest.raises(ValueError, match="^method must be one of"):
+        all_reduce_plan(packing, "tree", mean=False, num_devices=2)
+    with pytest.raises(ValueError, match="^num_devices must be at least 1. Received: 0"):
+        all_reduce_plan(packing, NATIVE, mean=False, num_devices=0)

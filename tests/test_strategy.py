@@ -390,19 +390,19 @@ class RecordingAllReduce(distrib.NcclAllReduce):
 def test_all_reduce_options_are_merged_over_the_strategys_with_tensorflows_rule():
     recorder = RecordingAllReduce()
     strategy = distrib.MirroredStrategy(DEVICES, cross_device_ops=recorder, communication_options=CommunicationOptions(
-        bytes_per_pack=64, timeout_seconds=30, implementation="RING"))
+        bytes_per_pack=64, timeout_seconds=30))
 
     def step():
         ctx = distrib.get_replica_context()
         ctx.all_reduce("SUM", np.float32(1))
-        ctx.all_reduce("SUM", np.float32(1), options=CommunicationOptions(timeout_seconds=5, implementation="nccl"))
+        ctx.all_reduce("SUM", np.float32(1), options=CommunicationOptions(timeout_seconds=5, implementation="ring"))
         return ctx.all_reduce("SUM", np.float32(1), options=CommunicationOptions(bytes_per_pack=8))
 
     strategy.run(step)
     assert recorder.seen == [
-        CommunicationOptions(bytes_per_pack=64, timeout_seconds=30, implementation="RING"),
-        CommunicationOptions(bytes_per_pack=64, timeout_seconds=5, implementation="NCCL"),
-        CommunicationOptions(bytes_per_pack=8, timeout_seconds=30, implementation="RING"),
+        CommunicationOptions(bytes_per_pack=64, timeout_seconds=30),
+        CommunicationOptions(bytes_per_pack=64, timeout_seconds=5, implementation="RING"),
+        CommunicationOptions(bytes_per_pack=8, timeout_seconds=30),
     ]
 
 

@@ -1,14 +1,14 @@
-"""The Backend protocol: devices, placement, flat-buffer pack/unpack and collectives over one array per device."""
+"""The Backend protocol: devices, placement, copies, and executing a collective plan over one array per device."""
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from distrib.plan import Buffer
+from distrib.plan import AllReducePlan, Buffer
 
 
 class Backend(abc.ABC):
@@ -39,26 +39,25 @@ class Backend(abc.ABC):
     def activate(self, device: str) -> None:
         """Makes `device` (and its stream) current in the calling thread; replica threads call it once."""
 
-    @contextlib.contextmanager
-    def device_scope(self, device: str) -> Iterator[None]:
+    @abc.abstractmethod
+    def device_scope(self, device: str) -> contextlib.AbstractContextManager[None]:
         """Makes `device` current for a block, restoring the previous device afterwards."""
-        yield
 
     @abc.abstractmethod
     def to_device(self, value: Any, device: str) -> Any:
         """`value` (an array of any library, a NumPy scalar or a Python number) as an array on `device`."""
 
+    @abc.abstractmethod
     def to_device_all(self, values: Sequence[Any], device: str) -> list[Any]:
-        """`[to_device(v, device) for v in values]`; backends may skip work for values already in place."""
-        return [self.to_device(v, device) for v in values]
+        """`[to_device(v, device) for v in values]`, skipping the work for values already in place."""
 
+    @abc.abstractmethod
     def prefetch_to_device(self, values: Sequence[Any], device: str) -> list[Any]:
         """Input batches for `device`, copied in the background of the device's current work where it can.
 
         Called from the input pipeline's prefetch thread; the arrays returned are safe to use on `device`'s
-        stream without waiting on the host. By default the same as `to_device_all`.
+        stream without waiting on the host.
         """
-        return self.to_device_all(values, device)
 
     @abc.abstractmethod
     def to_host(self, array: Any) -> np.ndarray:
@@ -81,6 +80,26 @@ class Backend(abc.ABC):
         """The members of a flat buffer as arrays of their shapes, in member order."""
 
     @abc.abstractmethod
+    def execute(self, plan: AllReducePlan, per_device: Sequence[Sequence[Any]], devices: Sequence[str], *,
+                timeout: float | None = None) -> list[list[Any]]:
+        """Executes a whole batched all-reduce: every buffer of every dtype in `plan`, as one request.
+
+        The contract (what a backend must do, however it schedules the work):
+          - `per_device[r][v]` is value v on `devices[r]` (device order, `len(devices) == plan.num_devices`);
+            every value appears in exactly one buffer of `plan.packing`, whose members give its shape.
+          - Returns `out[r][v]`: on `devices[r]`, with v's shape, the element-wise SUM of value v over the
+            devices, or with `plan.mean` the MEAN (float buffers divide in the collective; integer buffers are
+            summed, then truly divided, giving floats as TensorFlow does). Inputs are never written.
+          - Each buffer is packed in member order and moved chunk by chunk (`buffer.chunks`) as `plan.method`
+            says: NATIVE the backend's all-reduce; NCCL the same, and a backend whose collectives are not NCCL
+            raises BackendUnavailableError; RING a reduce-scatter then an all-gather; HIERARCHICAL sums chunk k
+            on the devices `plan.roots[k]`.
+          - The whole plan may be issued at once (one NCCL group over every chunk of every buffer); values
+            must equal those of `distrib.backends.packed.execute_pack_by_pack` (bit for bit on the CPU).
+          - `timeout` bounds the whole plan in seconds (None: the backend's default).
+        """
+
+    @abc.abstractmethod
     def all_reduce(self, flats: Sequence[Any], chunks: Sequence[tuple[int, int]], devices: Sequence[str],
                    mean: bool, *, timeout: float | None = None) -> list[Any]:
         """Element-wise sum (or mean, for float dtypes) across devices, one collective call per chunk."""
@@ -92,7 +111,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def reduce_scatter(self, flats: Sequence[Any], devices: Sequence[str], *,
                        timeout: float | None = None) -> list[Any]:
-        """Device i gets the i-th equal slice of the element-wise sum (length must divide evenly)."""
+        """Device i gets a new array: the i-th equal slice of the element-wise sum (length must divide evenly).
+
+        The first phase of RING plans; multi-worker reductions use it too.
+        """
 
     @abc.abstractmethod
     def broadcast(self, array: Any, devices: Sequence[str], *, timeout: float | None = None) -> list[Any]:
@@ -102,8 +124,9 @@ class Backend(abc.ABC):
     def add_n(self, arrays: Sequence[Any], device: str) -> Any:
         """The element-wise sum of same-shaped arrays, computed on `device` in list order."""
 
+    @abc.abstractmethod
     def fused_optimizer_update(self, rule: str, items: Sequence[tuple[Any, Any, tuple]], coefficients: tuple) -> bool:
-        """True if the backend applied an optimizer's update itself (e.g. as fused kernels); by default False.
+        """True if the backend applied an optimizer's update itself (as fused kernels); False if it has none.
 
         `rule` is "sgd", "momentum", "nesterov" or "adam", whose math and `coefficients` (the step's scalars)
         distrib/optimizers.py defines; `items` are (variable copy, gradient, slot copies) triples. A backend that

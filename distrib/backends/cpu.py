@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -11,8 +12,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from distrib.backends.base import Backend
-from distrib.plan import Buffer
+from distrib.backends.packed import execute_pack_by_pack
 from distrib.devices import parse_device
+from distrib.errors import BackendUnavailableError
+from distrib.plan import NCCL, Buffer
 
 DEFAULT_REPLICAS = 2
 
@@ -143,7 +146,10 @@ class CpuBackend(Backend):
                              f"Install distrib[cuda12] on a machine with NVIDIA GPUs to use GPU devices.")
 
     def activate(self, device: str) -> None:
-        pass
+        pass  # emulated devices have no current-device state
+
+    def device_scope(self, device: str):
+        return contextlib.nullcontext()
 
     def to_device(self, value: Any, device: str) -> np.ndarray:
         return to_numpy(value)
@@ -175,6 +181,14 @@ class CpuBackend(Backend):
 
     def unpack(self, flat, buffer: Buffer):
         return [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
+
+    def execute(self, plan, per_device, devices, *, timeout=None):
+        if plan.method == NCCL:  # as TensorFlow fails at collective time on a machine without GPUs
+            raise BackendUnavailableError(
+                f"CommunicationImplementation.NCCL needs NCCL between GPUs, but this strategy runs on the CPU "
+                f"emulator. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices "
+                f"(pip install 'distrib[cuda12]' on a machine with NVIDIA GPUs).")
+        return execute_pack_by_pack(self, plan, per_device, devices, timeout)
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         total = self._pool.empty(flats[0].shape, flats[0].dtype)
@@ -215,5 +229,8 @@ class CpuBackend(Backend):
             np.add(out, array, out=out)
         return out
 
+    def fused_optimizer_update(self, rule, items, coefficients) -> bool:
+        return False  # NumPy has no fused kernels: optimizers apply their reference update
+
     def synchronize(self) -> None:
-        pass
+        pass  # NumPy work is done when the call returns

@@ -13,7 +13,7 @@ from distrib.backends import get_backend
 from distrib.cluster_resolver import ClusterResolver, RayClusterResolver, TFConfigClusterResolver
 from distrib.cross_device_ops import ReductionToOneDevice
 from distrib.errors import ContextError
-from distrib.options import CommunicationOptions
+from distrib.options import CommunicationOptions, coerce_enum
 from distrib.parameter_server import optimizer_updates
 from distrib.parameter_server.partitioners import Partitioner, div_offsets
 from distrib.parameter_server.sharded_variable import ShardedVariable
@@ -22,7 +22,7 @@ from distrib.extended import StrategyExtended
 from distrib.replica_context import ReplicaContext
 from distrib.strategy import Strategy
 from distrib.values import select_replica
-from distrib.variables import VariableAggregation, VariableSynchronization, _enum
+from distrib.variables import VariableAggregation, VariableSynchronization
 
 # Worker-side copies of strategies, by the id of the coordinator's strategy: every closure a worker runs
 # sees the same object, so optimizers' checks by identity hold there too.
@@ -147,11 +147,11 @@ class ParameterServerExtended(StrategyExtended):
         if context.get_replica_context() is not None:
             raise ContextError("Create variables in the cross-replica context (inside strategy.scope(), outside "
                                "strategy.run).")
-        synchronization = _enum(VariableSynchronization, synchronization, "synchronization")
+        synchronization = coerce_enum(VariableSynchronization, synchronization, "synchronization")
         if synchronization is VariableSynchronization.ON_READ:
             raise ValueError("ParameterServerStrategy keeps one copy of each variable; synchronization ON_READ "
                              "has no meaning there. Received: ON_READ.")
-        aggregation = _enum(VariableAggregation, aggregation, "aggregation")
+        aggregation = coerce_enum(VariableAggregation, aggregation, "aggregation")
         value = np.asarray(initial_value() if callable(initial_value) else initial_value)
         value = np.array(value.astype(dtype, copy=False) if dtype is not None else value, order="C")
         if value.dtype.kind in "OSUV":

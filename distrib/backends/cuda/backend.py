@@ -11,6 +11,7 @@ import cupy
 import numpy as np
 
 from distrib.backends.base import Backend
+from distrib.backends.packed import execute_pack_by_pack
 from distrib.backends.cuda import devices as cuda_devices
 from distrib.backends.cuda import dtypes as cuda_dtypes
 from distrib.backends.cuda import errors as cuda_errors
@@ -274,6 +275,10 @@ class CudaBackend(Backend):
         return arrays
 
     # -- collectives --------------------------------------------------------------------------------------------
+
+    def execute(self, plan, per_device, devices, *, timeout=None):
+        # NATIVE and NCCL plans are the same here: every collective of this backend is NCCL.
+        return execute_pack_by_pack(self, plan, per_device, devices, timeout)
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         ordinals = self._flats_on("all_reduce", flats, devices)

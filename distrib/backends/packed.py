@@ -1,0 +1,103 @@
+"""The reference execution of an AllReducePlan, pack by pack, through a backend's per-pack primitives.
+
+Both backends execute plans with it today; a backend may replace it with fewer, larger calls (one NCCL group
+over every chunk of every buffer) as long as the results are the same.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+from distrib.plan import HIERARCHICAL, RING, AllReducePlan, Buffer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distrib.backends.base import Backend
+
+FLOAT_PREFIXES = ("float", "complex", "bfloat")
+
+
+def execute_pack_by_pack(backend: "Backend", plan: AllReducePlan, per_device: Sequence[Sequence[Any]],
+                         devices: Sequence[str], timeout: float | None) -> list[list[Any]]:
+    """`Backend.execute`, one buffer at a time: pack, move each chunk as `plan.method` says, unpack."""
+    devices = list(devices)
+    count = len(devices)
+    results: list[list[Any]] = [[None] * len(per_device[0]) for _ in range(count)]
+    first_chunk = 0
+    for buffer in plan.packing.buffers:
+        indices = [m.index for m in buffer.members]
+        # integer MEAN is SUM then true division, so 1..4 averages to 2.5 as in TensorFlow
+        float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
+        flats = [backend.pack([values[i] for i in indices], buffer, device) for values, device in zip(per_device, devices)]
+        if plan.method == HIERARCHICAL:
+            roots = plan.roots[first_chunk:first_chunk + len(buffer.chunks)]
+            reduced = _hierarchical(backend, flats, buffer, devices, float_mean, roots)
+        elif plan.method == RING:
+            reduced = _ring(backend, flats, buffer, devices, float_mean, timeout)
+        else:
+            reduced = backend.all_reduce(flats, buffer.chunks, devices, float_mean, timeout=timeout)
+        first_chunk += len(buffer.chunks)
+        for out, flat, device in zip(results, reduced, devices):
+            arrays = backend.unpack(flat, buffer)
+            if plan.mean and not float_mean:
+                with backend.device_scope(device):
+                    arrays = [backend.xp.asarray(a / count) for a in arrays]
+            for i, array in zip(indices, arrays):
+                out[i] = array
+    return results
+
+
+def _ring(backend: "Backend", flats: list, buffer: Buffer, devices: list[str], mean: bool,
+          timeout: float | None) -> list:
+    """Each chunk reduce-scattered (device i sums the i-th slice), then all-gathered; padded to divide evenly."""
+    n = len(devices)
+    outs = [backend.empty(flats[0].shape, flats[0].dtype, d) for d in devices]
+    for start, stop in buffer.chunks:
+        size = stop - start
+        padded = -(-size // n) * n
+        parts = []
+        for flat, device in zip(flats, devices):
+            if padded == size:
+                parts.append(flat[start:stop])
+                continue
+            part = backend.empty((padded,), flat.dtype, device)
+            with backend.device_scope(device):
+                part[:size] = flat[start:stop]
+                part[size:] = 0
+            parts.append(part)
+        slices = backend.reduce_scatter(parts, devices, timeout=timeout)
+        if mean:
+            for piece, device in zip(slices, devices):
+                with backend.device_scope(device):
+                    piece /= n
+        for out, gathered, device in zip(outs, backend.all_gather(slices, devices, timeout=timeout), devices):
+            with backend.device_scope(device):
+                out[start:stop] = gathered[:size]
+    return outs
+
+
+def _hierarchical(backend: "Backend", flats: list, buffer: Buffer, devices: list[str], mean: bool,
+                  roots: Sequence[tuple[int, int]]) -> list:
+    """TensorFlow's DGX-1 scheme per chunk: each half sums on its root, the halves swap sums, then copy out."""
+    n = len(devices)
+    outs = [backend.empty(flats[0].shape, flats[0].dtype, d) for d in devices]
+    halves = (list(range(n // 2)), list(range(n // 2, n)))
+    for (start, stop), (m0, m1) in zip(buffer.chunks, roots):
+        parts = [f[start:stop] for f in flats]
+        if n == 1:
+            with backend.device_scope(devices[0]):
+                outs[0][start:stop] = parts[0]
+            continue
+        near, far = halves if m0 in halves[0] else halves[::-1]
+        total = backend.add_n([backend.add_n([parts[i] for i in near], devices[m0]),
+                               backend.copy(backend.add_n([parts[i] for i in far], devices[m1]), devices[m0])],
+                              devices[m0])
+        if mean:
+            with backend.device_scope(devices[m0]):
+                total /= n
+        total_far = backend.copy(total, devices[m1])
+        for group, source in ((near, total), (far, total_far)):
+            for i in group:
+                local = source if i in (m0, m1) else backend.copy(source, devices[i])
+                with backend.device_scope(devices[i]):
+                    outs[i][start:stop] = local
+    return outs
