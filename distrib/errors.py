@@ -12,7 +12,8 @@
         ├── KernelCompileError     (+ RuntimeError)  a CUDA kernel failed to compile (NVRTC)
         ├── DeviceError            (+ RuntimeError)  the CUDA runtime or driver reported another error
         ├── CheckpointError        (+ ValueError)    a checkpoint file is damaged, or does not match the objects
-        └── ParameterServerError   (+ RuntimeError)  a parameter server died or cannot be reached
+        ├── ParameterServerError   (+ RuntimeError)  a parameter server died or cannot be reached
+        └── WorkerError            (+ RuntimeError)  a closure's worker died every time it ran the closure
 
 Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class derives from the
 builtin a TensorFlow user would catch, so `except ValueError` keeps working.
@@ -114,3 +115,7 @@ class ParameterServerError(DistribError, RuntimeError):
     def __init__(self, message: str, *, ps_index: int | None = None):
         super().__init__(message)
         self.ps_index = ps_index
+
+
+class WorkerError(DistribError, RuntimeError):
+    """A scheduled closure's worker process died each time it ran it (a crash or out of memory, not an exception)."""

@@ -14,6 +14,8 @@ from distrib.parameter_server.variable import ParameterServerVariable, resolve
 from distrib.parameter_server.worker import Worker
 from distrib.variables import VariableAggregation
 
+_keys = itertools.count()  # variable keys, unique in this process: handles of two strategies never compare equal
+
 
 class Cluster:
     """Starts `num_ps` parameter-server actors now and `num_workers` worker actors on `start_workers()`.
@@ -29,7 +31,6 @@ class Cluster:
         server = ray.remote(ParameterServer).options(num_cpus=0, max_restarts=0, scheduling_strategy="SPREAD")
         self.servers = [server.remote(index) for index in range(num_ps)]
         self.workers: list[Any] | None = None
-        self._keys = itertools.count()
         self._next_ps = itertools.count()
         self._actors = list(self.servers)
         self._finalizer = weakref.finalize(self, _kill, ray, self._actors)
@@ -49,7 +50,7 @@ class Cluster:
 
     def create_variable(self, ps_index: int, value: np.ndarray, name: str, trainable: bool,
                         aggregation: VariableAggregation) -> ParameterServerVariable:
-        key = next(self._keys)
+        key = next(_keys)
         server = self.servers[ps_index]
         resolve(server.create.remote(key, value, name), ps_index)
         return ParameterServerVariable(server, ps_index, key, value.shape, value.dtype, name, trainable, aggregation)

@@ -9,10 +9,12 @@ from typing import Any, Callable
 
 import optree
 
+from distrib.errors import ContextError, WorkerError
 from distrib.parameter_server import ray_runtime
 from distrib.parameter_server.worker import PerWorkerDataset
 
 _FORGET_EVERY = 64  # finished closures whose write tags the servers drop in one message
+MAX_ATTEMPTS = 4  # a closure whose worker dies this many times running it fails instead of killing them all
 
 
 class RemoteValue:
@@ -84,14 +86,20 @@ class ClusterCoordinator:
       (10.0, [0, 1, 4, 9, 16])
     """
 
-    def __init__(self, strategy: Any):
+    def __new__(cls, strategy: Any):
         from distrib.parameter_server.strategy import ParameterServerStrategy
 
         if not isinstance(strategy, ParameterServerStrategy):
             raise TypeError(f"ClusterCoordinator needs a distrib.ParameterServerStrategy. Received: "
                             f"{type(strategy).__name__}.")
-        if strategy._coordinator is not None:
-            raise ValueError("A ParameterServerStrategy has one ClusterCoordinator; use strategy's existing one.")
+        if strategy._on_worker:
+            raise ContextError("A ClusterCoordinator runs on the coordinator, not inside a scheduled closure.")
+        if strategy._coordinator is None:  # one per strategy, as in TensorFlow: a second call returns it
+            strategy._coordinator = super().__new__(cls)
+            strategy._coordinator._start(strategy)
+        return strategy._coordinator
+
+    def _start(self, strategy: Any) -> None:
         self._strategy = strategy
         self._workers = strategy._cluster.start_workers()
         self._ids = itertools.count()
@@ -104,7 +112,6 @@ class ClusterCoordinator:
                                           name=f"distrib-ps-worker-{i}") for i in range(len(self._workers))]
         for thread in self._threads:
             thread.start()
-        strategy._coordinator = self
 
     @property
     def strategy(self) -> Any:
@@ -177,11 +184,16 @@ class ClusterCoordinator:
             try:
                 status, value = ray_runtime.get(self._workers[index].run.remote(closure.id, closure.fn,
                                                                                 closure.args, closure.kwargs))
-            except died:  # the worker's process died mid-closure: Ray restarts it; the closure runs again first
-                with self._lock:
-                    self._queue.appendleft(closure)
-                    self._lock.notify_all()
-                continue
+            except died as exc:  # the worker's process died mid-closure: Ray restarts it; the closure runs again
+                if closure.attempts < MAX_ATTEMPTS:
+                    with self._lock:
+                        self._queue.appendleft(closure)
+                        self._lock.notify_all()
+                    continue
+                status, value = "error", WorkerError(
+                    f"A scheduled closure's worker died each of the {closure.attempts} times it ran it (a crash, "
+                    f"out of memory, or a kill, not an exception). Received: closure {closure.id}, "
+                    f"{getattr(closure.fn, '__name__', closure.fn)!r}; last: {type(exc).__name__}.")
             except Exception as exc:  # noqa: BLE001 - e.g. a closure that cannot be pickled
                 status, value = "error", exc
             self._finish(closure, value if status == "ok" else None, value if status == "error" else None)

@@ -35,7 +35,7 @@ def apply(strategy: Any, optimizer: Any, grads: list, variables: list) -> Any:
                              f"scheduling steps (variables are created only there).")
         build(strategy, optimizer, variables)
     iterations = optimizer.iterations
-    step = _call(iterations, _increment, (iterations,), ("step", iterations._key)).result()
+    step = call_on_server(iterations, _increment, (iterations,), {}, ("step", iterations._key)).result()
     if step is None:  # a re-run closure whose increment was applied by its first run
         step = int(iterations.read_value())
     rule = _update_rule(optimizer)
@@ -53,8 +53,8 @@ def apply(strategy: Any, optimizer: Any, grads: list, variables: list) -> Any:
             by_server.setdefault(var._ps_index, []).append((var, grad, slots))
     dtypes = {_compute_dtype(var.dtype) for items in by_server.values() for var, _, _ in items}
     coefficients = {dtype.str: optimizer._coefficients(dtype, step) for dtype in dtypes}
-    pending = [_call(items[0][0], _update_on_server, (rule, items, coefficients),
-                     ("update", iterations._key, ps_index)) for ps_index, items in sorted(by_server.items())]
+    pending = [call_on_server(items[0][0], _update_on_server, (rule, items, coefficients), {},
+                              ("apply", iterations._key, ps_index)) for ps_index, items in sorted(by_server.items())]
     for p in pending:
         p.result()
     return iterations
@@ -80,9 +80,10 @@ def _update_rule(optimizer: Any) -> Any:
     return rule
 
 
-def _call(handle: ParameterServerVariable, fn: Any, args: tuple, tag_key: Any) -> Pending:
-    """Runs `fn(*args)` on `handle`'s server, the handles in `args` that live there swapped for the variables."""
-    return Pending(handle._server.call.remote(fn, args, {}, next_tag(tag_key)), handle._ps_index)
+def call_on_server(handle: ParameterServerVariable, fn: Any, args: tuple, kwargs: dict, tag_key: Any) -> Pending:
+    """Runs `fn(*args, **kwargs)` on `handle`'s server, the handles in them that live there swapped for the
+    variables."""
+    return Pending(handle._server.call.remote(fn, args, kwargs, next_tag(tag_key)), handle._ps_index)
 
 
 # -- run on a parameter server ------------------------------------------------------------------------------

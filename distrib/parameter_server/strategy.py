@@ -201,6 +201,19 @@ class ParameterServerExtended(StrategyExtended):
         with context.thread_value(self._colocation, "variable", colocate_with_variable):
             yield
 
+    def update(self, var: Any, fn: Any, args: Any = (), kwargs: dict | None = None, group: bool = True) -> Any:
+        """Runs `fn(var, *args, **kwargs)` on the parameter server that holds `var`; returns what fn returns.
+
+        `fn` travels there by pickling and receives the variable itself; writes it makes are applied once
+        even when a closure runs again.
+        """
+        if not callable(fn):
+            raise TypeError(f"update needs a callable fn. Received: {type(fn).__name__}.")
+        if not isinstance(var, ParameterServerVariable):
+            raise TypeError(f"update runs fn where one variable lives: a variable of this strategy that is not "
+                            f"sharded. Received: {var!r}; update each of a ShardedVariable's .variables instead.")
+        return optimizer_updates.call_on_server(var, fn, (var, *args), kwargs or {}, ("update", var._key)).result()
+
     # -- optimizers: their updates run on the servers ---------------------------------------------------
 
     def _build_optimizer(self, optimizer: Any, variables: list) -> None:

@@ -12,7 +12,8 @@ import pytest
 import distrib
 from distrib.cluster_resolver import RayClusterResolver
 from distrib.coordinator import ClusterCoordinator
-from distrib.errors import ParameterServerError
+from distrib.errors import ParameterServerError, WorkerError
+from distrib.parameter_server import coordinator as coordinator_module
 from distrib.experimental.partitioners import FixedShardsPartitioner
 
 pytestmark = pytest.mark.timeout(90)
@@ -150,6 +151,26 @@ def test_a_killed_worker_loses_no_closure_and_applies_none_twice(strategy, coord
     assert applied.numpy().tolist() == [1] * n         # ... and its write was applied once
     assert int(pids.numpy()[0]) == victim              # the first run's writes stand; the re-run's were dropped
     assert coordinator.schedule(os.getpid).fetch() > 0  # the worker was replaced: closures still run
+
+
+def test_a_closure_whose_worker_dies_every_time_fails_with_a_typed_error(coordinator, monkeypatch):
+    monkeypatch.setattr(coordinator_module, "MAX_ATTEMPTS", 2)
+
+    def crash():
+        os.kill(os.getpid(), signal.SIGKILL)  # as a segfault or the OOM killer would
+
+    result = coordinator.schedule(crash)
+    with pytest.raises(WorkerError, match="^A scheduled closure's worker died each of the 2 times it ran it"):
+        coordinator.join()
+    with pytest.raises(WorkerError):
+        result.fetch()
+    assert coordinator.schedule(lambda: 7).fetch() == 7
+
+
+def test_one_coordinator_per_strategy(strategy, coordinator):
+    assert ClusterCoordinator(strategy) is coordinator
+    with pytest.raises(TypeError, match="^ClusterCoordinator needs a distrib.ParameterServerStrategy"):
+        ClusterCoordinator(distrib.get_strategy())
 
 
 def test_a_dead_parameter_server_raises_a_typed_error_and_training_resumes_from_a_checkpoint(ray_cluster, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -109,6 +110,20 @@ def test_optimizer_slots_live_beside_their_variables_and_updates_run_there(strat
         reference_optimizer.apply_gradients([(np.ones((6, 2), np.float32), reference)])
     np.testing.assert_allclose(table.numpy(), reference.numpy())
     assert int(optimizer.iterations.numpy()) == 2
+
+
+def test_extended_update_runs_fn_on_the_server_holding_the_variable(strategy):
+    with strategy.scope():
+        v = distrib.Variable(np.arange(3, dtype=np.float32), name="updated")
+
+    def scale(var, factor):  # receives the server's own variable
+        var.assign(var.read_value() * factor)
+        return os.getpid()
+
+    server_pid = strategy.extended.update(v, scale, args=(np.float32(2),))
+    assert server_pid != os.getpid() and v.numpy().tolist() == [0.0, 2.0, 4.0]
+    with pytest.raises(TypeError, match="^update runs fn where one variable lives"):
+        strategy.extended.update(np.zeros(3), scale)
 
 
 def test_checkpoints_restore_across_shard_counts(strategy, tmp_path, ray_cluster):
