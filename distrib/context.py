@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 from distrib.errors import ContextError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from distrib.replica_context import ReplicaContext
-    from distrib.strategy import Strategy
+# The strategy layer sits above this module, so strategies and replica contexts are typed `Any` here.
 
 
 class Frame(NamedTuple):
     """One entry of the stack: the strategy, and the replica context (None when cross-replica)."""
 
-    strategy: "Strategy"
-    replica_context: "ReplicaContext | None"
+    strategy: Any
+    replica_context: Any
 
 
 _default: list[Frame] = []  # [Frame(default strategy, default replica context)], set by strategy.py
@@ -41,12 +39,12 @@ def current() -> Frame:
     return _stack()[-1]
 
 
-def is_default(strategy: "Strategy") -> bool:
+def is_default(strategy: Any) -> bool:
     return bool(_default) and strategy is _default[0].strategy
 
 
 @contextlib.contextmanager
-def frame(strategy: "Strategy", replica_context: "ReplicaContext | None") -> Iterator[None]:
+def frame(strategy: Any, replica_context: Any) -> Iterator[None]:
     """Pushes a frame for the duration of the block (restored even if the block raises)."""
     stack = _stack()
     stack.append(Frame(strategy, replica_context))
@@ -67,7 +65,7 @@ def thread_value(local: threading.local, name: str, value: object) -> Iterator[N
         setattr(local, name, previous)
 
 
-def get_strategy() -> "Strategy":
+def get_strategy() -> Any:
     """The current strategy: the innermost `scope()` or `run()`, else the default (single-replica) strategy.
 
     Example:
@@ -83,7 +81,7 @@ def has_strategy() -> bool:
     return not is_default(current().strategy)
 
 
-def get_replica_context() -> "ReplicaContext | None":
+def get_replica_context() -> Any:
     """The current `ReplicaContext`, or None in a cross-replica context (inside `scope()` but outside `run()`).
 
     Outside any strategy this is the default replica context: replica 0 of 1.
@@ -96,13 +94,13 @@ def in_cross_replica_context() -> bool:
     return current().replica_context is None
 
 
-def get_cross_replica_context() -> "Strategy | None":
+def get_cross_replica_context() -> Any:
     """The current strategy when in a cross-replica context, else None."""
     top = current()
     return top.strategy if top.replica_context is None else None
 
 
-def require_cross_replica(api: str, strategy: "Strategy | None" = None, hint: str = "") -> None:
+def require_cross_replica(api: str, strategy: Any = None, hint: str = "") -> None:
     """The one check that `api` runs in a cross-replica context, and inside no other strategy than `strategy`.
 
     Raises:

@@ -6,7 +6,7 @@ import abc
 import contextlib
 import math
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -22,9 +22,6 @@ from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_sca
                             select_replica)
 from distrib.variables import (DistributedVariable, MirroredVariable, Variable, VariableAggregation,
                                VariableSynchronization, create_distributed_variable, update_context)
-
-if TYPE_CHECKING:  # pragma: no cover
-    from distrib.strategy import Strategy
 
 
 def _component_array(component: Any) -> Any:
@@ -43,7 +40,7 @@ class StrategyExtended(abc.ABC):
       communication_options: defaults merged under every collective's own options.
     """
 
-    def __init__(self, container_strategy: "Strategy", backend: Backend, devices: Sequence[str],
+    def __init__(self, container_strategy: Any, backend: Backend, devices: Sequence[str],
                  cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions):
         self._container_strategy = container_strategy
         self._backend = backend

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from distrib import context
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, ReduceOp
 from distrib.values import flatten, format_path, regroup, select_replicas, structure_mismatch, unflatten
-
-if TYPE_CHECKING:  # pragma: no cover
-    from distrib.strategy import Strategy
 
 # Array kinds that cannot be summed: bool (NumPy's + is logical or), objects, bytes, strings, void.
 NOT_REDUCIBLE = "bOSUV"
@@ -64,7 +61,7 @@ class ReplicaContext:
       [3.0, 3.0]
     """
 
-    def __init__(self, strategy: "Strategy", replica_id_in_sync_group: int):
+    def __init__(self, strategy: Any, replica_id_in_sync_group: int):
         self._strategy = strategy
         self._replica_id = replica_id_in_sync_group
 
@@ -73,7 +70,7 @@ class ReplicaContext:
         return self._strategy.extended
 
     @property
-    def strategy(self) -> "Strategy":
+    def strategy(self) -> Any:
         """The strategy this replica belongs to."""
         return self._strategy
 
@@ -129,42 +126,46 @@ class ReplicaContext:
         """
         self._require_current("all_reduce")
         op = ReduceOp.from_value(reduce_op)
-        host = self._host
-        options = host._merged_options(options)
-        leaves, spec = flatten(value)
-        if not leaves:
-            return value
-        arrays = host._to_replica_device(leaves, self._replica_id)
-        if any(dtype.kind in NOT_REDUCIBLE for dtype in {a.dtype for a in arrays}):  # few distinct dtypes
-            k = next(k for k, a in enumerate(arrays) if a.dtype.kind in NOT_REDUCIBLE)
-            raise TypeError(f"all_reduce needs numeric values. Received: dtype {arrays[k].dtype} at path "
-                            f"{format_path(spec.paths()[k])}.")
-
-        def merge(payloads: list) -> list:
-            check_same_layout("all_reduce", payloads)
-            return host._batch_all_reduce(op, [p[1] for p in payloads], options)
-
-        return unflatten(spec, host._rendezvous(self._replica_id, "all_reduce", merge, (spec, arrays), options))
+        return self._collective("all_reduce", value, options, _check_numeric,
+                                lambda per_replica, merged: self._host._batch_all_reduce(op, per_replica, merged))
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
         """Concatenates `value` from every replica along `axis`; shapes may differ along `axis` only."""
         self._require_current("all_gather")
+        return self._collective("all_gather", value, options, None,
+                                lambda per_replica, merged: self._host._batch_all_gather(per_replica, axis, merged),
+                                gather_axis=axis)
+
+    def _collective(self, kind: str, value: Any, options: CommunicationOptions | None,
+                    check_leaves: Callable[[list, Any], None] | None, combine: Callable[[list, Any], list],
+                    gather_axis: int | None = None) -> Any:
+        """The path of every collective: options merged once, the leaves placed on this replica's device, one
+        rendezvous whose merge checks that every replica's layout matches and then combines the arrays."""
         host = self._host
         options = host._merged_options(options)
         leaves, spec = flatten(value)
         if not leaves:
             return value
         arrays = host._to_replica_device(leaves, self._replica_id)
+        if check_leaves is not None:
+            check_leaves(arrays, spec)
 
         def merge(payloads: list) -> list:
-            check_same_layout("all_gather", payloads, gather_axis=axis)
-            return host._batch_all_gather([p[1] for p in payloads], axis, options)
+            check_same_layout(kind, payloads, gather_axis=gather_axis)
+            return combine([p[1] for p in payloads], options)
 
-        return unflatten(spec, host._rendezvous(self._replica_id, "all_gather", merge, (spec, arrays), options))
+        return unflatten(spec, host._rendezvous(self._replica_id, kind, merge, (spec, arrays), options))
 
     def __repr__(self) -> str:
         return (f"<ReplicaContext replica_id_in_sync_group={self._replica_id} "
                 f"num_replicas_in_sync={self.num_replicas_in_sync}>")
+
+
+def _check_numeric(arrays: list, spec: Any) -> None:
+    if any(dtype.kind in NOT_REDUCIBLE for dtype in {a.dtype for a in arrays}):  # few distinct dtypes
+        k = next(k for k, a in enumerate(arrays) if a.dtype.kind in NOT_REDUCIBLE)
+        raise TypeError(f"all_reduce needs numeric values. Received: dtype {arrays[k].dtype} at path "
+                        f"{format_path(spec.paths()[k])}.")
 
 
 def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
