@@ -1,7 +1,29 @@
-"""Helpers shared by the tests: arrays from other libraries, and writing into results that may be read-only."""
+"""Helpers shared by the tests: arrays from other libraries, read-only results, four emulated replicas."""
 
 import numpy as np
 import pytest
+
+import distrib
+
+DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+
+
+def per_replica(strategy, fn):
+    """A PerReplica holding fn(replica_id) on each replica."""
+    return strategy.experimental_distribute_values_from_function(lambda ctx: fn(ctx.replica_id_in_sync_group))
+
+
+def local(strategy, value):
+    return strategy.experimental_local_results(value)
+
+
+def replica_id():
+    return distrib.get_replica_context().replica_id_in_sync_group
+
+
+def blocks_of(strategy):
+    """Replica r holds [[0, 1, 2], [3, 4, 5]] + 10 r."""
+    return per_replica(strategy, lambda r: np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * r)
 
 
 def overwrite(array: np.ndarray, value) -> bool:

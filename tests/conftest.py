@@ -1,0 +1,18 @@
+"""Fixtures shared by the strategy tests: a four-replica MirroredStrategy on emulated CPUs, and values on it."""
+
+import pytest
+
+import distrib
+from support import DEVICES, blocks_of
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    """Four emulated CPU replicas; a module that needs another strategy defines its own fixture."""
+    return distrib.MirroredStrategy(DEVICES)
+
+
+@pytest.fixture(scope="module")
+def blocks(strategy):
+    """Replica r holds [[0, 1, 2], [3, 4, 5]] + 10 r."""
+    return blocks_of(strategy)

@@ -1,0 +1,208 @@
+"""ReplicaContext on four emulated CPU replicas: all_reduce, all_gather and merge_call."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+import distrib
+from distrib import CommunicationOptions, PerReplica
+from support import DEVICES, local, replica_id
+
+pytestmark = pytest.mark.timeout(30)
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+# -- all_reduce ---------------------------------------------------------------------------------------------------
+
+
+def test_all_reduce_of_a_nested_structure_keeps_structure_and_dtypes(strategy):
+    def step():
+        r = replica_id()
+        value = {"w": np.full((2, 3), r, np.float32), "b": [np.int32(r + 1), np.float64(r)],
+                 "pair": Pair(np.arange(3, dtype=np.int64) * r, None), "empty": ()}
+        return distrib.get_replica_context().all_reduce("SUM", value)
+
+    for out in local(strategy, strategy.run(step)):
+        assert set(out) == {"w", "b", "pair", "empty"}
+        np.testing.assert_array_equal(out["w"], np.full((2, 3), 6, np.float32))
+        assert out["w"].dtype == np.float32
+        assert out["b"][0] == 10 and out["b"][0].dtype == np.int32
+        assert out["b"][1] == 6.0 and out["b"][1].dtype == np.float64
+        assert type(out["pair"]) is Pair and out["pair"].second is None
+        np.testing.assert_array_equal(out["pair"].first, [0, 6, 12])
+        assert out["empty"] == ()
+
+
+def test_all_reduce_mean_of_integers_gives_floats(strategy):
+    out = strategy.run(lambda: distrib.get_replica_context().all_reduce("MEAN", np.array([replica_id()] * 2)))
+    for value in local(strategy, out):
+        assert value.dtype.kind == "f"
+        np.testing.assert_array_equal(value, [1.5, 1.5])
+
+
+def test_all_reduce_accepts_python_numbers(strategy):
+    out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", [1, 0.5]))
+    assert [[float(x) for x in v] for v in local(strategy, out)] == [[4.0, 2.0]] * 4
+
+
+def test_all_reduce_of_nothing_returns_it(strategy):
+    out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", {"a": [], "b": None}))
+    assert out == {"a": [], "b": None}
+
+
+@pytest.mark.parametrize("options", [None, CommunicationOptions(bytes_per_pack=8),
+                                     CommunicationOptions(bytes_per_pack=1 << 20, implementation="RING")])
+@pytest.mark.parametrize("cross_device_ops", [distrib.NcclAllReduce(num_packs=0), distrib.NcclAllReduce(num_packs=3),
+                                              distrib.ReductionToOneDevice(), distrib.HierarchicalCopyAllReduce()],
+                         ids=repr)
+def test_all_reduce_gives_the_same_sums_whatever_the_packing(cross_device_ops, options):
+    strategy = distrib.MirroredStrategy(DEVICES, cross_device_ops=cross_device_ops)
+
+    def step():
+        r = replica_id()
+        grads = [np.full(shape, r + k, np.float32) for k, shape in enumerate([(), (3,), (2, 2), (5,), (17,)])]
+        return distrib.get_replica_context().all_reduce("MEAN", grads + [np.int32(r)], options=options)
+
+    for out in local(strategy, strategy.run(step)):
+        for k, value in enumerate(out[:-1]):
+            np.testing.assert_allclose(value, np.full_like(value, 1.5 + k))
+        assert float(out[-1]) == 1.5
+
+
+class RecordingAllReduce(distrib.NcclAllReduce):
+    """An NcclAllReduce that records the options each batched all-reduce receives."""
+
+    def __init__(self):
+        super().__init__(num_packs=1)
+        self.seen = []
+
+    def batch_all_reduce(self, backend, op, values, devices, options):
+        self.seen.append(options)
+        return super().batch_all_reduce(backend, op, values, devices, options)
+
+
+def test_all_reduce_options_are_merged_over_the_strategys_with_tensorflows_rule():
+    recorder = RecordingAllReduce()
+    strategy = distrib.MirroredStrategy(DEVICES, cross_device_ops=recorder, communication_options=CommunicationOptions(
+        bytes_per_pack=64, timeout_seconds=30))
+
+    def step():
+        ctx = distrib.get_replica_context()
+        ctx.all_reduce("SUM", np.float32(1))
+        ctx.all_reduce("SUM", np.float32(1), options=CommunicationOptions(timeout_seconds=5, implementation="ring"))
+        return ctx.all_reduce("SUM", np.float32(1), options=CommunicationOptions(bytes_per_pack=8))
+
+    strategy.run(step)
+    assert recorder.seen == [
+        CommunicationOptions(bytes_per_pack=64, timeout_seconds=30),
+        CommunicationOptions(bytes_per_pack=64, timeout_seconds=5, implementation="RING"),
+        CommunicationOptions(bytes_per_pack=8, timeout_seconds=30),
+    ]
+
+
+def test_all_reduce_rejects_options_of_another_kind(strategy):
+    with pytest.raises(TypeError, match="options must be a CommunicationOptions"):
+        strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", 1.0, options={"bytes_per_pack": 8}))
+
+
+# -- all_gather ---------------------------------------------------------------------------------------------------
+
+
+def test_all_gather_accepts_unequal_sizes_along_the_axis(strategy):
+    def step():
+        r = replica_id()
+        return distrib.get_replica_context().all_gather(
+            {"rows": np.full((r, 2), r, np.int32), "cols": np.full((1, r + 1), r, np.float32)}, axis=0)
+
+    # along axis 0 "rows" may differ, but "cols" (1, r+1) differs off the axis
+    with pytest.raises(ValueError, match="all_gather needs shapes that differ only along axis 0"):
+        strategy.run(step)
+
+    def step_rows():
+        r = replica_id()
+        return distrib.get_replica_context().all_gather({"rows": np.full((r, 2), r, np.int32)}, axis=0)
+
+    for out in local(strategy, strategy.run(step_rows)):
+        np.testing.assert_array_equal(out["rows"], [[1, 1], [2, 2], [2, 2], [3, 3], [3, 3], [3, 3]])
+        assert out["rows"].dtype == np.int32
+
+
+def test_all_gather_along_a_negative_axis(strategy):
+    def step():
+        r = replica_id()
+        return distrib.get_replica_context().all_gather([np.full((2, r + 1), r, np.int64)], axis=-1)
+
+    for (out,) in local(strategy, strategy.run(step)):
+        np.testing.assert_array_equal(out, [[0, 1, 1, 2, 2, 2, 3, 3, 3, 3]] * 2)
+
+
+def test_all_gather_of_nothing_returns_it(strategy):
+    assert strategy.run(lambda: distrib.get_replica_context().all_gather([], axis=0)) == []
+
+
+# -- merge_call ---------------------------------------------------------------------------------------------------
+
+
+def test_merge_call_regroups_args_and_hands_each_replica_its_share(strategy):
+    calls = []
+    shared = object()
+
+    def merge_fn(merge_strategy, x, tag, *, scale):
+        calls.append((x, tag, scale))
+        return PerReplica([v * scale for v in x.values])
+
+    scale = np.float32(10)  # the same object on every replica: merge_fn gets it unwrapped
+
+    def step():
+        r = replica_id()
+        return distrib.get_replica_context().merge_call(merge_fn, args=(np.float32(r), shared),
+                                                        kwargs={"scale": scale})
+
+    out = strategy.run(step)
+    assert [float(x) for x in local(strategy, out)] == [0.0, 10.0, 20.0, 30.0]
+    ((x, tag, received_scale),) = calls  # merge_fn ran once, for all replicas
+    assert isinstance(x, PerReplica) and tag is shared and received_scale is scale
+
+
+def test_merge_call_result_that_is_not_distributed_goes_to_every_replica(strategy):
+    token = object()
+    assert strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: token)) is token
+
+
+def test_merge_fn_can_use_the_cross_replica_api(strategy):
+    def merge_fn(merge_strategy, value):
+        return merge_strategy.extended.batch_reduce_to("SUM", [(value, value), (value, value)])
+
+    def step():
+        first, second = distrib.get_replica_context().merge_call(merge_fn, args=(np.float32(replica_id()),))
+        return first + second
+
+    assert [float(x) for x in local(strategy, strategy.run(step))] == [12.0] * 4
+
+
+def test_merge_calls_run_in_program_order(strategy):
+    order = []
+
+    def step():
+        ctx = distrib.get_replica_context()
+        for k in range(3):
+            ctx.merge_call(lambda s, k=k: order.append(k))
+        return ctx.all_reduce("SUM", np.float32(1))
+
+    out = strategy.run(step)
+    assert order == [0, 1, 2]
+    assert [float(x) for x in local(strategy, out)] == [4.0] * 4
+
+
+def test_merge_fn_must_be_callable(strategy):
+    with pytest.raises(TypeError, match="merge_fn must be callable"):
+        strategy.run(lambda: distrib.get_replica_context().merge_call("not a function"))
+
+
+def test_run_cannot_be_called_from_a_merge_fn(strategy):
+    with pytest.raises(RuntimeError, match="Strategy.run cannot be called from inside a merge_call"):
+        strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: s.run(lambda: None)))
