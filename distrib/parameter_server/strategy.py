@@ -13,12 +13,12 @@ from distrib.backends import get_backend
 from distrib.cluster_resolver import ClusterResolver, RayClusterResolver, TFConfigClusterResolver
 from distrib.cross_device_ops import ReductionToOneDevice
 from distrib.errors import ContextError
+from distrib.extended import StrategyExtended
 from distrib.options import CommunicationOptions, coerce_enum
 from distrib.parameter_server import optimizer_updates
 from distrib.parameter_server.partitioners import Partitioner, div_offsets
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.variable import ParameterServerVariable
-from distrib.extended import StrategyExtended
 from distrib.replica_context import ReplicaContext
 from distrib.strategy import Strategy
 from distrib.values import select_replica
@@ -144,9 +144,8 @@ class ParameterServerExtended(StrategyExtended):
         if strategy._on_worker:
             raise ContextError("A ParameterServerStrategy creates variables on the coordinator, inside "
                                "strategy.scope(); a scheduled closure cannot create them.")
-        if context.get_replica_context() is not None:
-            raise ContextError("Create variables in the cross-replica context (inside strategy.scope(), outside "
-                               "strategy.run).")
+        context.require_cross_replica("distrib.Variable", hint="create variables inside strategy.scope(), outside "
+                                      "strategy.run")
         synchronization = coerce_enum(VariableSynchronization, synchronization, "synchronization")
         if synchronization is VariableSynchronization.ON_READ:
             raise ValueError("ParameterServerStrategy keeps one copy of each variable; synchronization ON_READ "

@@ -166,7 +166,7 @@ def test_clear_errors(strategy):
     with pytest.raises(ValueError, match="^ParameterServerStrategy keeps one copy of each variable"):
         with strategy.scope():
             distrib.Variable(np.zeros(2), synchronization="ON_READ", aggregation="SUM")
-    with pytest.raises(ContextError, match="^Create variables in the cross-replica context"):
+    with pytest.raises(ContextError, match="^distrib.Variable must be called in a cross-replica context"):
         with strategy.scope():
             strategy.run(lambda: distrib.Variable(np.zeros(2)))
     with pytest.raises(ValueError, match="^ParameterServerStrategy needs at least one \"ps\" and one \"worker\""):
