@@ -22,12 +22,14 @@ from typing import Any, Callable, Sequence
 
 from distrib import context
 from distrib.backends import Backend, cuda_problem, detect, get_backend
+from distrib.backends.parallel import lend
 from distrib.cross_device_ops import CrossDeviceOps, default_cross_device_ops
 from distrib.devices import canonical_name, parse_device
 from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
 from distrib.options import CommunicationOptions, default_timeout
 from distrib.extended import StrategyExtended
 from distrib.replica_context import ReplicaContext
+from distrib.replica_team import ReplicaTeam
 from distrib.strategy import Strategy
 from distrib.values import regroup, select_replicas
 
@@ -109,6 +111,7 @@ class _ReplicaThread:
         self.go = _thread.allocate_lock()
         self.go.acquire()
         self.run: _Run | None = None
+        self.task: Callable[[], None] | None = None  # a share of the merge's work, handed over by a ReplicaTeam
         self.retired = False
         self.thread = threading.Thread(target=self._main, args=(device, backend), daemon=True,
                                        name=f"distrib-replica-{replica_id}")
@@ -148,6 +151,10 @@ class _ReplicaThread:
         if not run.report(i, WAITING):
             raise _RequestedStop()
         self.go.acquire()
+        while self.task is not None:  # lent to the merge: run a share of its work, then wait again
+            task, self.task = self.task, None
+            task()
+            self.go.acquire()
         if run.stopped:
             raise _RequestedStop()
         return run.merge_results[i]
@@ -254,7 +261,7 @@ class MirroredExtended(StrategyExtended):
                                          f"replica must call them in the same order. Received: {detail}.")
         merge = run.requests[0][1]
         try:
-            with context.frame(self._container_strategy, None):
+            with context.frame(self._container_strategy, None), lend(ReplicaTeam(self._threads)):
                 results = merge([r[2] for r in run.requests])
         except BaseException as exc:
             run.fail(None, exc)

@@ -13,6 +13,7 @@ import numpy as np
 
 from distrib.backends.base import Backend
 from distrib.backends.packed import execute_pack_by_pack
+from distrib.backends.parallel import run_shares
 from distrib.devices import parse_device
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, Buffer
@@ -109,6 +110,26 @@ def _shared(array: np.ndarray, count: int) -> list[np.ndarray]:
     return [array.view() for _ in range(count)]
 
 
+def _sum_shared(flats: Sequence[np.ndarray], out: np.ndarray, divisor: int | None) -> None:
+    """out = ((flats[0] + flats[1]) + flats[2]) + ..., divided by `divisor` if given, in shares across threads.
+
+    Every element is summed in device order whichever thread computes it, as TensorFlow's add_n does, so
+    results are bit for bit those of one thread.
+    """
+    def sum_range(lo: int, hi: int) -> None:
+        part = out[lo:hi]
+        if len(flats) == 1:
+            np.copyto(part, flats[0][lo:hi])
+        else:
+            np.add(flats[0][lo:hi], flats[1][lo:hi], out=part)
+            for flat in flats[2:]:
+                np.add(part, flat[lo:hi], out=part)
+        if divisor is not None:
+            np.true_divide(part, divisor, out=part)
+
+    run_shares(out.size, out.itemsize, sum_range)
+
+
 class CpuBackend(Backend):
     """NumPy arrays on N emulated devices. Collectives sum in device order, as TensorFlow's add_n does.
 
@@ -191,22 +212,21 @@ class CpuBackend(Backend):
         return execute_pack_by_pack(self, plan, per_device, devices, timeout)
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
+        # Chunks only bound the calls of a real collective; every element's sum is the same without them.
         total = self._pool.empty(flats[0].shape, flats[0].dtype)
-        for start, stop in chunks:
-            out = total[start:stop]
-            if len(flats) == 1:
-                np.copyto(out, flats[0][start:stop])
-            else:
-                np.add(flats[0][start:stop], flats[1][start:stop], out=out)
-                for flat in flats[2:]:
-                    np.add(out, flat[start:stop], out=out)
-            if mean:
-                np.true_divide(out, len(flats), out=out)
+        _sum_shared(flats, total, len(flats) if mean else None)
         return _shared(total, len(devices))
 
     def all_gather(self, flats, devices, *, timeout=None):
         gathered = self._pool.empty((sum(f.size for f in flats),), flats[0].dtype)
-        np.concatenate(flats, out=gathered)
+        starts = np.cumsum([0] + [f.size for f in flats]).tolist()
+
+        def copy_range(lo: int, hi: int) -> None:
+            for flat, start, stop in zip(flats, starts, starts[1:]):
+                if start < hi and stop > lo:
+                    gathered[max(lo, start):min(hi, stop)] = flat[max(lo, start) - start:min(hi, stop) - start]
+
+        run_shares(gathered.size, gathered.itemsize, copy_range)
         return _shared(gathered, len(devices))
 
     def reduce_scatter(self, flats, devices, *, timeout=None):
@@ -224,6 +244,10 @@ class CpuBackend(Backend):
         if len(arrays) == 1:
             return self.copy(arrays[0], device)
         out = self._pool.empty(np.shape(arrays[0]), np.result_type(*arrays))
+        if out.ndim and all(isinstance(a, np.ndarray) and a.shape == out.shape and a.flags.c_contiguous
+                            for a in arrays):  # flat views, summed in shares
+            _sum_shared([a.reshape(-1) for a in arrays], out.reshape(-1), None)
+            return out
         np.add(arrays[0], arrays[1], out=out)
         for array in arrays[2:]:
             np.add(out, array, out=out)
