@@ -20,8 +20,7 @@ def execute_pack_by_pack(backend: "Backend", plan: AllReducePlan, per_device: Se
                          devices: Sequence[str], timeout: float | None) -> list[list[Any]]:
     """`Backend.execute`, one buffer at a time: pack, move each chunk as `plan.method` says, unpack."""
     devices = list(devices)
-    count = len(devices)
-    results: list[list[Any]] = [[None] * len(per_device[0]) for _ in range(count)]
+    results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
     first_chunk = 0
     for buffer in plan.packing.buffers:
         indices = [m.index for m in buffer.members]
@@ -36,14 +35,22 @@ def execute_pack_by_pack(backend: "Backend", plan: AllReducePlan, per_device: Se
         else:
             reduced = backend.all_reduce(flats, buffer.chunks, devices, float_mean, timeout=timeout)
         first_chunk += len(buffer.chunks)
-        for out, flat, device in zip(results, reduced, devices):
-            arrays = backend.unpack(flat, buffer)
-            if plan.mean and not float_mean:
-                with backend.device_scope(device):
-                    arrays = [backend.xp.asarray(a / count) for a in arrays]
-            for i, array in zip(indices, arrays):
-                out[i] = array
+        unpack_into(results, backend, plan, buffer, reduced, devices)
     return results
+
+
+def unpack_into(results: list[list[Any]], backend: "Backend", plan: AllReducePlan, buffer: Buffer,
+                reduced: Sequence[Any], devices: Sequence[str]) -> None:
+    """Writes the members of each device's reduced flat buffer into `results[device][value index]`; an integer
+    MEAN is divided here, after the sum (true division, as TensorFlow does)."""
+    integer_mean = plan.mean and not buffer.dtype.startswith(FLOAT_PREFIXES)
+    for out, flat, device in zip(results, reduced, devices):
+        arrays = backend.unpack(flat, buffer)
+        if integer_mean:
+            with backend.device_scope(device):
+                arrays = [backend.xp.asarray(a / len(devices)) for a in arrays]
+        for member, array in zip(buffer.members, arrays):
+            out[member.index] = array
 
 
 def _ring(backend: "Backend", flats: list, buffer: Buffer, devices: list[str], mean: bool,

@@ -265,3 +265,30 @@ def test_distributed_dataset_on_the_gpu_matches_the_emulator():
     for on_gpu, on_cpu in zip(gpu.experimental_distribute_dataset(batches), cpu.experimental_distribute_dataset(batches)):
         for a, b in zip(gpu.experimental_local_results(on_gpu), cpu.experimental_local_results(on_cpu)):
             np.testing.assert_array_equal(cupy.asnumpy(a), b)
+
+
+# -- a whole plan in one NCCL group ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mean", [False, True])
+@pytest.mark.parametrize("num_packs", [1, 0, 3])
+def test_a_whole_plan_in_one_group_equals_pack_by_pack_and_the_emulator(backend, mean, num_packs):
+    from distrib.backends.packed import execute_pack_by_pack
+    from distrib.plan import NATIVE, all_reduce_plan, plan_concat_split
+
+    rng = np.random.default_rng(num_packs)
+    values = [random(rng, 12, "float32").reshape(3, 4), random(rng, 5, "int16"), random(rng, 7, "int32"),
+              random(rng, 3, "bfloat16"), random(rng, 4, "complex64"), random(rng, 6, "bool")]
+    if mean:
+        values = [v for v in values if v.dtype != np.bool_]
+    plan = all_reduce_plan(plan_concat_split([(v.shape, v.dtype) for v in values], num_packs), NATIVE, mean, 1)
+    on_gpu = [[backend.to_device(v, "GPU:0") for v in values]]
+    launches = backend._comms.watchdog
+    (grouped,) = backend.execute(plan, on_gpu, ["GPU:0"])
+    assert launches.pending() <= 1  # one group call for the whole plan, not one per pack
+    (reference,) = execute_pack_by_pack(backend, plan, on_gpu, ["GPU:0"], None)
+    (emulated,) = CpuBackend().execute(plan, [values], ["CPU:0"])
+    for got, want, cpu in zip(grouped, reference, emulated):
+        assert got.shape == cpu.shape and got.dtype == np.asarray(cpu).dtype
+        np.testing.assert_array_equal(got.get(), want.get())
+        assert_same([got.get()], [np.asarray(cpu)], exact=True)

@@ -5,51 +5,22 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import cupy
 import numpy as np
 
 from distrib.backends.base import Backend
-from distrib.backends.packed import execute_pack_by_pack
 from distrib.backends.cuda import devices as cuda_devices
-from distrib.backends.cuda import dtypes as cuda_dtypes
 from distrib.backends.cuda import errors as cuda_errors
 from distrib.backends.cuda import nccl as nccl_comms
+from distrib.backends.cuda.arrays import as_cupy, on_gpu, upload
+from distrib.backends.cuda.collectives import NcclCollectives
 from distrib.backends.cpu import to_numpy
 from distrib.backends.cuda.staging import Stager
 from distrib.backends.cuda.kernels import UPDATE_DTYPES, UPDATE_SLOTS, Kernels, update_groups
 from distrib.plan import Buffer
 from distrib.devices import parse_device
-from distrib.options import default_timeout
-
-_CUDA_DLPACK_DEVICES = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
-
-
-def _on_gpu(value: Any) -> bool:
-    """Whether `value` is an array in GPU memory (CuPy, or another library's through its protocols)."""
-    if isinstance(value, cupy.ndarray) or hasattr(value, "__cuda_array_interface__"):
-        return True
-    device = getattr(value, "__dlpack_device__", None)
-    return device is not None and device()[0] in _CUDA_DLPACK_DEVICES
-
-
-def _as_cupy(value: Any) -> cupy.ndarray:
-    """A GPU array as a CuPy array over the same memory (no copy)."""
-    if isinstance(value, cupy.ndarray):
-        return value
-    if hasattr(value, "__cuda_array_interface__"):
-        return cupy.asarray(value)
-    return cupy.from_dlpack(value)
-
-
-def _upload(host: np.ndarray) -> cupy.ndarray:
-    try:
-        return cupy.asarray(host)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"CuPy {cupy.__version__} cannot hold dtype {host.dtype} on a GPU. Received: an array of "
-                        f"dtype {host.dtype} and shape {host.shape}.") from exc
-
 
 def _fusable(rule: str, items: Sequence[tuple[Any, Any, tuple]]) -> bool:
     """Whether optimizer.cu has a kernel for every item, each variable is listed once, and each gradient and slot
@@ -65,7 +36,7 @@ def _fusable(rule: str, items: Sequence[tuple[Any, Any, tuple]]) -> bool:
     return True
 
 
-class CudaBackend(Backend):
+class CudaBackend(NcclCollectives, Backend):
     """CuPy arrays on the GPUs this process sees, named 'GPU:0', 'GPU:1', ... by CUDA ordinal.
 
     Each device has one stream; it is current in the replica thread of that device (and inside `device_scope`)
@@ -158,10 +129,10 @@ class CudaBackend(Backend):
 
     def to_device(self, value: Any, device: str) -> cupy.ndarray:
         ordinal = self._ordinal(device)
-        if not _on_gpu(value):
+        if not on_gpu(value):
             with self._on(ordinal):
-                return _upload(to_numpy(value))
-        array = _as_cupy(value)
+                return upload(to_numpy(value))
+        array = as_cupy(value)
         return array if array.device.id == ordinal else self._copy_between(array, ordinal)
 
     def to_device_all(self, values, device):
@@ -185,7 +156,7 @@ class CudaBackend(Backend):
             with stream:
                 side.wait_event(stream.record(cupy.cuda.Event(disable_timing=True)))
             for value in values:
-                if _on_gpu(value):
+                if on_gpu(value):
                     out.append(self.to_device(value, device))
                     continue
                 host = np.ascontiguousarray(to_numpy(value))
@@ -207,9 +178,9 @@ class CudaBackend(Backend):
             return self._side_streams[ordinal]
 
     def to_host(self, array: Any) -> np.ndarray:
-        if not _on_gpu(array):
+        if not on_gpu(array):
             return to_numpy(array)
-        array = _as_cupy(array)
+        array = as_cupy(array)
         with self._on(array.device.id):
             host = array.get()  # waits for the stream, so a collective that failed before it has been seen
         self._comms.check()
@@ -221,9 +192,9 @@ class CudaBackend(Backend):
 
     def copy(self, array, device):
         ordinal = self._ordinal(device)
-        if not _on_gpu(array):
+        if not on_gpu(array):
             return self.to_device(array, device)  # an upload is a copy
-        source = _as_cupy(array)
+        source = as_cupy(array)
         if source.device.id != ordinal:
             return self._copy_between(source, ordinal)
         with self._on(ordinal):
@@ -274,115 +245,6 @@ class CudaBackend(Backend):
                                  f"on {where}.")
         return arrays
 
-    # -- collectives --------------------------------------------------------------------------------------------
-
-    def execute(self, plan, per_device, devices, *, timeout=None):
-        # NATIVE and NCCL plans are the same here: every collective of this backend is NCCL.
-        return execute_pack_by_pack(self, plan, per_device, devices, timeout)
-
-    def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
-        ordinals = self._flats_on("all_reduce", flats, devices)
-        if len(set(ordinals)) < len(ordinals):
-            return self._reduce_by_copies("all_reduce", flats, ordinals, mean)
-        plan = cuda_dtypes.nccl_reduction(flats[0].dtype.name, mean, self._nccl(), "all_reduce")
-        sources = self._cast(flats, ordinals, plan.cast)
-        outputs = self._like(sources, ordinals, sources[0].size)
-        calls = cuda_dtypes.chunk_calls(chunks, sources[0].itemsize, plan.factor)
-
-        def launch(rank, comm, stream):
-            send, receive = sources[rank].data.ptr, outputs[rank].data.ptr
-            for offset, count in calls:
-                comm.allReduce(send + offset, receive + offset, count, plan.nccl_type, plan.op, stream)
-
-        if calls:
-            self._group("all_reduce", ordinals, launch, timeout)
-        if plan.divide:
-            wire = cuda_dtypes.kernel_wire(flats[0].dtype.name, "all_reduce")
-            for out, ordinal in zip(outputs, ordinals):
-                with self._on(ordinal):
-                    self._kernels.reduce(wire.dtype, out.size * wire.factor, [out], [out], divisor=len(flats))
-        return self._cast(outputs, ordinals, flats[0].dtype.name) if plan.cast else outputs
-
-    def all_gather(self, flats, devices, *, timeout=None):
-        ordinals = self._flats_on("all_gather", flats, devices)
-        size = flats[0].size * len(flats)
-        if len(set(ordinals)) < len(ordinals):
-            gathered = {}
-            for ordinal in dict.fromkeys(ordinals):
-                local = [self.to_device(f, f"GPU:{ordinal}") for f in flats]
-                with self._on(ordinal):
-                    gathered[ordinal] = cupy.empty(size, flats[0].dtype)
-                    self._kernels.move(gathered[ordinal], local, pack=True)
-            return [gathered[o] if k == ordinals.index(o) else self.copy(gathered[o], f"GPU:{o}")
-                    for k, o in enumerate(ordinals)]
-        outputs = self._like(flats, ordinals, size)
-        nbytes = flats[0].nbytes
-
-        def launch(rank, comm, stream):
-            comm.allGather(flats[rank].data.ptr, outputs[rank].data.ptr, nbytes, cuda_dtypes.BYTES, stream)
-
-        if nbytes:
-            self._group("all_gather", ordinals, launch, timeout)
-        return outputs
-
-    def reduce_scatter(self, flats, devices, *, timeout=None):
-        ordinals = self._flats_on("reduce_scatter", flats, devices)
-        n = len(ordinals)
-        if flats[0].size % n:
-            raise ValueError(f"reduce_scatter needs a length divisible by {n} devices. Received: {flats[0].size}.")
-        part = flats[0].size // n
-        if len(set(ordinals)) < n:
-            total = self._sum_on(ordinals[0], "reduce_scatter", flats, ordinals, 1, outputs=1)[0]
-            return [self.copy(total[k * part:(k + 1) * part], f"GPU:{o}") for k, o in enumerate(ordinals)]
-        plan = cuda_dtypes.nccl_reduction(flats[0].dtype.name, False, self._nccl(), "reduce_scatter")
-        sources = self._cast(flats, ordinals, plan.cast)
-        outputs = self._like(sources, ordinals, part)
-
-        def launch(rank, comm, stream):
-            comm.reduceScatter(sources[rank].data.ptr, outputs[rank].data.ptr, part * plan.factor, plan.nccl_type,
-                               plan.op, stream)
-
-        if part:
-            self._group("reduce_scatter", ordinals, launch, timeout)
-        return self._cast(outputs, ordinals, flats[0].dtype.name) if plan.cast else outputs
-
-    def broadcast(self, array, devices, *, timeout=None):
-        ordinals = [self._ordinal(d) for d in devices]
-        if not _on_gpu(array) or _as_cupy(array).device.id not in ordinals:
-            array = self.to_device(array, devices[0])
-        source = _as_cupy(array)
-        if len(set(ordinals)) < len(ordinals):
-            return [self.copy(source, d) for d in devices]
-        root = ordinals.index(source.device.id)
-        with self._on(source.device.id):
-            source = cupy.ascontiguousarray(source)
-        outputs = []
-        for ordinal in ordinals:
-            with self._on(ordinal):
-                outputs.append(cupy.empty(source.shape, source.dtype))
-
-        def launch(rank, comm, stream):
-            send = source.data.ptr if rank == root else outputs[rank].data.ptr
-            comm.broadcast(send, outputs[rank].data.ptr, source.nbytes, cuda_dtypes.BYTES, root, stream)
-
-        if source.nbytes:
-            self._group("broadcast", ordinals, launch, timeout)
-        return outputs
-
-    def add_n(self, arrays, device):
-        ordinal = self._ordinal(device)
-        placed = [self.to_device(a, device) for a in arrays]
-        shape = placed[0].shape
-        if any(a.shape != shape for a in placed):
-            raise ValueError(f"add_n needs arrays of one shape. Received: shapes {[a.shape for a in placed]}.")
-        dtype = np.result_type(*(a.dtype for a in placed))
-        wire = cuda_dtypes.kernel_wire(dtype.name, "add_n")
-        with self._on(ordinal):
-            sources = [cupy.ascontiguousarray(a.astype(dtype, copy=False)) for a in placed]
-            out = cupy.empty(shape, dtype)
-            self._kernels.reduce(wire.dtype, out.size * wire.factor, sources, [out])
-        return out
-
     def fused_optimizer_update(self, rule, items, coefficients):
         """optimizer.cu's kernels: one launch per device and parameter dtype, for SGD and Adam over float16
         (float32 slots and math), float32 and float64 variables. Anything else, or a variable listed twice, is
@@ -403,69 +265,6 @@ class CudaBackend(Backend):
         for ordinal in list(self._streams):
             cupy.cuda.Device(ordinal).synchronize()
         self._comms.check()
-
-    # -- helpers ------------------------------------------------------------------------------------------------
-
-    def _flats_on(self, api: str, flats: Sequence[Any], devices: Sequence[str]) -> list[int]:
-        """The devices' ordinals, once every flats[i] is checked to be a contiguous 1-D array on devices[i]."""
-        ordinals = [self._ordinal(d) for d in devices]
-        if not flats or len(flats) != len(ordinals):
-            raise ValueError(f"{api} needs one flat array per device. Received: {len(flats)} arrays for "
-                             f"{len(ordinals)} devices.")
-        first = flats[0]
-        for k, (flat, ordinal) in enumerate(zip(flats, ordinals)):
-            if not isinstance(flat, cupy.ndarray) or flat.ndim != 1 or not flat.flags.c_contiguous:
-                raise ValueError(f"{api} needs contiguous 1-D CuPy arrays. Received: flats[{k}], a "
-                                 f"{type(flat).__name__} of shape {getattr(flat, 'shape', None)}.")
-            if flat.device.id != ordinal:
-                raise ValueError(f"{api} needs each flat array on its device. Received: flats[{k}] on "
-                                 f"GPU:{flat.device.id} for device {devices[k]}.")
-            if flat.size != first.size or flat.dtype != first.dtype:
-                raise ValueError(f"{api} needs the same length and dtype on every device. Received: flats[{k}] "
-                                 f"{flat.size} x {flat.dtype} vs flats[0] {first.size} x {first.dtype}.")
-        return ordinals
-
-    def _nccl(self) -> int:
-        if self._nccl_version is None:
-            self._nccl_version = nccl_comms.version()
-        return self._nccl_version
-
-    def _group(self, api: str, ordinals: Sequence[int], launch: Callable, timeout: float | None) -> None:
-        streams = [self._stream(o) for o in ordinals]
-        self._comms.run(api, ordinals, streams, launch, default_timeout() if timeout is None else timeout)
-
-    def _like(self, arrays: Sequence[cupy.ndarray], ordinals: Sequence[int], size: int) -> list[cupy.ndarray]:
-        outputs = []
-        for array, ordinal in zip(arrays, ordinals):
-            with self._on(ordinal):
-                outputs.append(cupy.empty(size, array.dtype))
-        return outputs
-
-    def _cast(self, arrays: Sequence[cupy.ndarray], ordinals: Sequence[int], dtype: str | None) -> list[cupy.ndarray]:
-        if dtype is None:
-            return list(arrays)
-        cast = []
-        for array, ordinal in zip(arrays, ordinals):
-            with self._on(ordinal):
-                cast.append(array.astype(dtype))
-        return cast
-
-    def _sum_on(self, home: int, api: str, flats: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int,
-                outputs: int) -> list[cupy.ndarray]:
-        """`outputs` arrays on GPU `home`, each the in-order sum of `flats` divided by `divisor`: one launch."""
-        wire = cuda_dtypes.kernel_wire(flats[0].dtype.name, api)
-        sources = [f if o == home else self._copy_between(f, home) for f, o in zip(flats, ordinals)]
-        with self._on(home):
-            results = [cupy.empty(flats[0].size, flats[0].dtype) for _ in range(outputs)]
-            self._kernels.reduce(wire.dtype, flats[0].size * wire.factor, sources, results, divisor)
-        return results
-
-    def _reduce_by_copies(self, api: str, flats, ordinals: list[int], mean: bool) -> list[cupy.ndarray]:
-        """All-reduce when replicas share a GPU: a sum on the first device per replica there; copies elsewhere."""
-        home = ordinals[0]
-        sums = self._sum_on(home, api, flats, ordinals, len(flats) if mean else 1, ordinals.count(home))
-        local = iter(sums)
-        return [next(local) if o == home else self._copy_between(sums[0], o) for o in ordinals]
 
     def __repr__(self) -> str:
         return f"<CudaBackend devices={self.default_devices()} gpus={[g.name for g in self._gpus]}>"

@@ -1,0 +1,36 @@
+"""Which values are GPU arrays, and how they become CuPy arrays: views of other libraries' memory, or uploads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy
+import numpy as np
+
+_CUDA_DLPACK_DEVICES = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+
+
+def on_gpu(value: Any) -> bool:
+    """Whether `value` is an array in GPU memory (CuPy, or another library's through its protocols)."""
+    if isinstance(value, cupy.ndarray) or hasattr(value, "__cuda_array_interface__"):
+        return True
+    device = getattr(value, "__dlpack_device__", None)
+    return device is not None and device()[0] in _CUDA_DLPACK_DEVICES
+
+
+def as_cupy(value: Any) -> cupy.ndarray:
+    """A GPU array as a CuPy array over the same memory (no copy)."""
+    if isinstance(value, cupy.ndarray):
+        return value
+    if hasattr(value, "__cuda_array_interface__"):
+        return cupy.asarray(value)
+    return cupy.from_dlpack(value)
+
+
+def upload(host: np.ndarray) -> cupy.ndarray:
+    """A host array copied to the current device; a dtype CuPy cannot hold is a TypeError naming it."""
+    try:
+        return cupy.asarray(host)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"CuPy {cupy.__version__} cannot hold dtype {host.dtype} on a GPU. Received: an array of "
+                        f"dtype {host.dtype} and shape {host.shape}.") from exc

@@ -1,0 +1,227 @@
+"""The CUDA backend's collectives: NCCL group calls over distinct GPUs, the reduce kernel where replicas share one.
+
+A mixin of CudaBackend (backend.py), which provides the devices, streams, placement, packing and kernels these
+methods use (`_ordinal`, `_stream`, `_on`, `_copy_between`, `copy`, `to_device`, `pack`, `unpack`, `_kernels`,
+`_comms`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import cupy
+import numpy as np
+
+from distrib.backends.cuda import dtypes as cuda_dtypes
+from distrib.backends.cuda import nccl as nccl_comms
+from distrib.backends.cuda.arrays import as_cupy, on_gpu
+from distrib.backends.packed import FLOAT_PREFIXES, execute_pack_by_pack, unpack_into
+from distrib.options import default_timeout
+from distrib.plan import HIERARCHICAL, RING
+
+
+class NcclCollectives:
+    """execute, all_reduce, all_gather, reduce_scatter, broadcast and add_n on CuPy arrays (see the module)."""
+
+    def execute(self, plan, per_device, devices, *, timeout=None):
+        """A whole NATIVE or NCCL plan over distinct GPUs as one NCCL group: every buffer packed (one kernel per
+        buffer and device), every chunk of every buffer in one group call, one watchdog entry, members unpacked
+        as views. Ring and hierarchical plans, and replicas sharing a GPU, go pack by pack."""
+        ordinals = [self._ordinal(d) for d in devices]
+        if plan.method in (RING, HIERARCHICAL) or len(set(ordinals)) < len(ordinals):
+            return execute_pack_by_pack(self, plan, per_device, devices, timeout)
+        moves = []  # per buffer: (buffer, its NCCL reduction, sources and outputs per rank, (offset, count) calls)
+        for buffer in plan.packing.buffers:
+            indices = [member.index for member in buffer.members]
+            flats = [self.pack([values[i] for i in indices], buffer, device)
+                     for values, device in zip(per_device, devices)]
+            float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
+            reduction = cuda_dtypes.nccl_reduction(flats[0].dtype.name, float_mean, self._nccl(), "all_reduce")
+            sources = self._cast(flats, ordinals, reduction.cast)
+            outputs = self._like(sources, ordinals, sources[0].size)
+            calls = cuda_dtypes.chunk_calls(buffer.chunks, sources[0].itemsize, reduction.factor)
+            moves.append((buffer, reduction, sources, outputs, calls))
+
+        def launch(rank, comm, stream):
+            for _, reduction, sources, outputs, calls in moves:
+                send, receive = sources[rank].data.ptr, outputs[rank].data.ptr
+                for offset, count in calls:
+                    comm.allReduce(send + offset, receive + offset, count, reduction.nccl_type, reduction.op, stream)
+
+        if any(calls for *_, calls in moves):
+            self._group("all_reduce", ordinals, launch, timeout)
+        results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
+        for buffer, reduction, _, outputs, _ in moves:
+            if reduction.divide:  # a mean without ncclAvg (NCCL before 2.10.3)
+                self._divide(outputs, ordinals, len(devices))
+            reduced = self._cast(outputs, ordinals, buffer.dtype) if reduction.cast else outputs
+            unpack_into(results, self, plan, buffer, reduced, devices)
+        return results
+
+    def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
+        ordinals = self._flats_on("all_reduce", flats, devices)
+        if len(set(ordinals)) < len(ordinals):
+            return self._reduce_by_copies("all_reduce", flats, ordinals, mean)
+        plan = cuda_dtypes.nccl_reduction(flats[0].dtype.name, mean, self._nccl(), "all_reduce")
+        sources = self._cast(flats, ordinals, plan.cast)
+        outputs = self._like(sources, ordinals, sources[0].size)
+        calls = cuda_dtypes.chunk_calls(chunks, sources[0].itemsize, plan.factor)
+
+        def launch(rank, comm, stream):
+            send, receive = sources[rank].data.ptr, outputs[rank].data.ptr
+            for offset, count in calls:
+                comm.allReduce(send + offset, receive + offset, count, plan.nccl_type, plan.op, stream)
+
+        if calls:
+            self._group("all_reduce", ordinals, launch, timeout)
+        if plan.divide:
+            self._divide(outputs, ordinals, len(flats))
+        return self._cast(outputs, ordinals, flats[0].dtype.name) if plan.cast else outputs
+
+    def _divide(self, outputs: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int) -> None:
+        """Divides each device's output in place by `divisor`, as NumPy rounds (the reduce kernel)."""
+        wire = cuda_dtypes.kernel_wire(outputs[0].dtype.name, "all_reduce")
+        for out, ordinal in zip(outputs, ordinals):
+            with self._on(ordinal):
+                self._kernels.reduce(wire.dtype, out.size * wire.factor, [out], [out], divisor=divisor)
+
+    def all_gather(self, flats, devices, *, timeout=None):
+        ordinals = self._flats_on("all_gather", flats, devices)
+        size = flats[0].size * len(flats)
+        if len(set(ordinals)) < len(ordinals):
+            gathered = {}
+            for ordinal in dict.fromkeys(ordinals):
+                local = [self.to_device(f, f"GPU:{ordinal}") for f in flats]
+                with self._on(ordinal):
+                    gathered[ordinal] = cupy.empty(size, flats[0].dtype)
+                    self._kernels.move(gathered[ordinal], local, pack=True)
+            return [gathered[o] if k == ordinals.index(o) else self.copy(gathered[o], f"GPU:{o}")
+                    for k, o in enumerate(ordinals)]
+        outputs = self._like(flats, ordinals, size)
+        nbytes = flats[0].nbytes
+
+        def launch(rank, comm, stream):
+            comm.allGather(flats[rank].data.ptr, outputs[rank].data.ptr, nbytes, cuda_dtypes.BYTES, stream)
+
+        if nbytes:
+            self._group("all_gather", ordinals, launch, timeout)
+        return outputs
+
+    def reduce_scatter(self, flats, devices, *, timeout=None):
+        ordinals = self._flats_on("reduce_scatter", flats, devices)
+        n = len(ordinals)
+        if flats[0].size % n:
+            raise ValueError(f"reduce_scatter needs a length divisible by {n} devices. Received: {flats[0].size}.")
+        part = flats[0].size // n
+        if len(set(ordinals)) < n:
+            total = self._sum_on(ordinals[0], "reduce_scatter", flats, ordinals, 1, outputs=1)[0]
+            return [self.copy(total[k * part:(k + 1) * part], f"GPU:{o}") for k, o in enumerate(ordinals)]
+        plan = cuda_dtypes.nccl_reduction(flats[0].dtype.name, False, self._nccl(), "reduce_scatter")
+        sources = self._cast(flats, ordinals, plan.cast)
+        outputs = self._like(sources, ordinals, part)
+
+        def launch(rank, comm, stream):
+            comm.reduceScatter(sources[rank].data.ptr, outputs[rank].data.ptr, part * plan.factor, plan.nccl_type,
+                               plan.op, stream)
+
+        if part:
+            self._group("reduce_scatter", ordinals, launch, timeout)
+        return self._cast(outputs, ordinals, flats[0].dtype.name) if plan.cast else outputs
+
+    def broadcast(self, array, devices, *, timeout=None):
+        ordinals = [self._ordinal(d) for d in devices]
+        if not on_gpu(array) or as_cupy(array).device.id not in ordinals:
+            array = self.to_device(array, devices[0])
+        source = as_cupy(array)
+        if len(set(ordinals)) < len(ordinals):
+            return [self.copy(source, d) for d in devices]
+        root = ordinals.index(source.device.id)
+        with self._on(source.device.id):
+            source = cupy.ascontiguousarray(source)
+        outputs = []
+        for ordinal in ordinals:
+            with self._on(ordinal):
+                outputs.append(cupy.empty(source.shape, source.dtype))
+
+        def launch(rank, comm, stream):
+            send = source.data.ptr if rank == root else outputs[rank].data.ptr
+            comm.broadcast(send, outputs[rank].data.ptr, source.nbytes, cuda_dtypes.BYTES, root, stream)
+
+        if source.nbytes:
+            self._group("broadcast", ordinals, launch, timeout)
+        return outputs
+
+    def add_n(self, arrays, device):
+        ordinal = self._ordinal(device)
+        placed = [self.to_device(a, device) for a in arrays]
+        shape = placed[0].shape
+        if any(a.shape != shape for a in placed):
+            raise ValueError(f"add_n needs arrays of one shape. Received: shapes {[a.shape for a in placed]}.")
+        dtype = np.result_type(*(a.dtype for a in placed))
+        wire = cuda_dtypes.kernel_wire(dtype.name, "add_n")
+        with self._on(ordinal):
+            sources = [cupy.ascontiguousarray(a.astype(dtype, copy=False)) for a in placed]
+            out = cupy.empty(shape, dtype)
+            self._kernels.reduce(wire.dtype, out.size * wire.factor, sources, [out])
+        return out
+
+    def _flats_on(self, api: str, flats: Sequence[Any], devices: Sequence[str]) -> list[int]:
+        """The devices' ordinals, once every flats[i] is checked to be a contiguous 1-D array on devices[i]."""
+        ordinals = [self._ordinal(d) for d in devices]
+        if not flats or len(flats) != len(ordinals):
+            raise ValueError(f"{api} needs one flat array per device. Received: {len(flats)} arrays for "
+                             f"{len(ordinals)} devices.")
+        first = flats[0]
+        for k, (flat, ordinal) in enumerate(zip(flats, ordinals)):
+            if not isinstance(flat, cupy.ndarray) or flat.ndim != 1 or not flat.flags.c_contiguous:
+                raise ValueError(f"{api} needs contiguous 1-D CuPy arrays. Received: flats[{k}], a "
+                                 f"{type(flat).__name__} of shape {getattr(flat, 'shape', None)}.")
+            if flat.device.id != ordinal:
+                raise ValueError(f"{api} needs each flat array on its device. Received: flats[{k}] on "
+                                 f"GPU:{flat.device.id} for device {devices[k]}.")
+            if flat.size != first.size or flat.dtype != first.dtype:
+                raise ValueError(f"{api} needs the same length and dtype on every device. Received: flats[{k}] "
+                                 f"{flat.size} x {flat.dtype} vs flats[0] {first.size} x {first.dtype}.")
+        return ordinals
+
+    def _nccl(self) -> int:
+        if self._nccl_version is None:
+            self._nccl_version = nccl_comms.version()
+        return self._nccl_version
+
+    def _group(self, api: str, ordinals: Sequence[int], launch: Callable, timeout: float | None) -> None:
+        streams = [self._stream(o) for o in ordinals]
+        self._comms.run(api, ordinals, streams, launch, default_timeout() if timeout is None else timeout)
+
+    def _like(self, arrays: Sequence[cupy.ndarray], ordinals: Sequence[int], size: int) -> list[cupy.ndarray]:
+        outputs = []
+        for array, ordinal in zip(arrays, ordinals):
+            with self._on(ordinal):
+                outputs.append(cupy.empty(size, array.dtype))
+        return outputs
+
+    def _cast(self, arrays: Sequence[cupy.ndarray], ordinals: Sequence[int], dtype: str | None) -> list[cupy.ndarray]:
+        if dtype is None:
+            return list(arrays)
+        cast = []
+        for array, ordinal in zip(arrays, ordinals):
+            with self._on(ordinal):
+                cast.append(array.astype(dtype))
+        return cast
+
+    def _sum_on(self, home: int, api: str, flats: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int,
+                outputs: int) -> list[cupy.ndarray]:
+        """`outputs` arrays on GPU `home`, each the in-order sum of `flats` divided by `divisor`: one launch."""
+        wire = cuda_dtypes.kernel_wire(flats[0].dtype.name, api)
+        sources = [f if o == home else self._copy_between(f, home) for f, o in zip(flats, ordinals)]
+        with self._on(home):
+            results = [cupy.empty(flats[0].size, flats[0].dtype) for _ in range(outputs)]
+            self._kernels.reduce(wire.dtype, flats[0].size * wire.factor, sources, results, divisor)
+        return results
+
+    def _reduce_by_copies(self, api: str, flats, ordinals: list[int], mean: bool) -> list[cupy.ndarray]:
+        """All-reduce when replicas share a GPU: a sum on the first device per replica there; copies elsewhere."""
+        home = ordinals[0]
+        sums = self._sum_on(home, api, flats, ordinals, len(flats) if mean else 1, ordinals.count(home))
+        local = iter(sums)
+        return [next(local) if o == home else self._copy_between(sums[0], o) for o in ordinals]
