@@ -68,6 +68,7 @@ class PlainProgress:
 
     def start_epoch(self, epoch: int, epochs: int, steps: int) -> None:
         self._label = f"epoch {epoch + 1}/{epochs}"
+        self._loss, self._rate = float("nan"), 0.0  # an epoch of no steps still ends with a line
 
     def step(self, loss: float, samples_per_second: float) -> None:
         self._loss, self._rate = loss, samples_per_second

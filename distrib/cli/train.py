@@ -14,23 +14,28 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from distrib.backends import get_backend
 from distrib.checkpoint import Checkpoint
 from distrib.cli.model import MLP
 from distrib.cli.progress import History, plot_history, progress_display
 from distrib.datasets import DIGITS_CLASSES, load_digits
+from distrib.errors import BackendUnavailableError, CheckpointError
 from distrib.mirrored import MirroredStrategy
 from distrib.optimizers import SGD, Adam
 from distrib.strategy import Strategy
 from distrib.variables import Variable
 
 DEFAULT_LEARNING_RATES = {"adam": 0.003, "sgd": 0.05}
+RUN_FILES = ("ckpt", "history.json", "loss.png")  # what a run leaves in --out
 
 def compute_dtype(precision: str, xp):
     """The array dtype for `--precision` on this array module; ValueError where it has none."""
@@ -94,13 +99,13 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
         model = MLP(xp, x_train.shape[1], args.hidden, DIGITS_CLASSES, args.seed)
         optimizer = make_optimizer(args.optimizer, args.learning_rate, args.momentum)
         epoch = Variable(np.int64(0), trainable=False, name="epoch")
-    checkpoint = Checkpoint(optimizer=optimizer, epoch=epoch, **model.variables)
+    # `run` (metadata) records what a resumed run must match: the model's shape and the optimizer's slots
+    checkpoint = Checkpoint(optimizer=optimizer, epoch=epoch, run=run_signature(args), **model.variables)
     checkpoint_path, history_path = args.out / "ckpt", args.out / "history.json"
     history = History()
     if args.resume:
         checkpoint.restore(checkpoint_path)
         history = History.load(history_path, int(epoch.numpy()))
-    args.out.mkdir(parents=True, exist_ok=True)
 
     def train_step(x, y):
         loss, grads = model.loss_and_gradients(x, y, dtype)
@@ -151,10 +156,18 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
 
 # -- the command line ------------------------------------------------------------------------------------
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `prog: error: message`, exit status 2 (the usage is under --help)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="distrib train", description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, help="emulated CPU replicas (default: every GPU with the CUDA "
-                                                     "backend, else $DISTRIB_CPU_REPLICAS or 2)")
+    parser = OneLineParser(prog="distrib train", description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, help="replicas: N GPUs with the CUDA backend (N replicas over the "
+                                                     "GPUs there are if fewer), else N emulated CPU devices "
+                                                     "(default: every GPU, else $DISTRIB_CPU_REPLICAS or 2)")
     parser.add_argument("--epochs", type=int, default=20,
                         help="total epochs, counting those a resumed checkpoint already ran (default 20)")
     parser.add_argument("--global-batch-size", type=int, default=64,
@@ -171,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("runs/digits"),
                         help="run directory: ckpt, history.json, loss.png (default runs/digits)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    parser.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     return parser
 
 
@@ -180,15 +194,75 @@ def check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1. Received: {value}.")
+    training_rows = len(load_digits()[0])
+    if args.global_batch_size > training_rows:
+        raise ValueError(f"--global-batch-size must be at most the {training_rows} training rows, or no step "
+                         f"runs. Received: {args.global_batch_size}.")
+    if args.learning_rate is not None and not (math.isfinite(args.learning_rate) and args.learning_rate >= 0):
+        raise ValueError(f"--learning-rate must be a finite number of at least 0. Received: {args.learning_rate}.")
     if args.optimizer == "adam" and args.momentum is not None:
         raise ValueError("--momentum applies to --optimizer sgd only.")
+    if args.momentum is not None and not 0 <= args.momentum <= 1:
+        raise ValueError(f"--momentum must be in [0, 1]. Received: {args.momentum}.")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be at least 0. Received: {args.seed}.")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them.")
     if args.resume and not (args.out / "ckpt").exists():
         raise ValueError(f"--resume found no checkpoint at {args.out / 'ckpt'}: run without --resume first.")
 
 
+def run_signature(args: argparse.Namespace) -> dict:
+    """The flags a checkpoint fixes: a resumed run must have the same model shape and optimizer slots."""
+    return {"hidden": args.hidden, "optimizer": args.optimizer}
+
+
+def check_resume(args: argparse.Namespace) -> None:
+    """ValueError (CheckpointError for a damaged file) unless the checkpoint in --out fits these flags."""
+    saved = Checkpoint(run={}).restore(args.out / "ckpt", allow_partial=True)["run"]
+    for flag, value in run_signature(args).items():
+        if flag in saved and saved[flag] != value:
+            raise ValueError(f"--resume needs the --{flag} the checkpoint was trained with: --{flag} {saved[flag]}. "
+                             f"Received: --{flag} {value}.")
+
+
+def prepare_out(args: argparse.Namespace) -> None:
+    """Creates --out and checks it is writable; refuses to replace a run in it without --resume or --overwrite."""
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out must be a directory. Received: {str(out)!r}, which is a file.")
+    present = [name for name in RUN_FILES if (out / name).exists()]
+    if present and not (args.resume or args.overwrite):
+        raise ValueError(f"--out already holds a run ({', '.join(present)}): pass --resume to continue it or "
+                         f"--overwrite to replace it. Received: {str(out)!r}.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out must be a directory distrib train can create and write to. Received: "
+                         f"{str(out)!r} ({exc.strerror or exc}).") from None
+    if args.overwrite:
+        for name in present:
+            (out / name).unlink()
+
+
+def replica_devices(replicas: int | None, available: tuple[str, ...]) -> list[str] | None:
+    """The devices of `--replicas N`: N of the GPUs (cycling over them when there are fewer), else N emulated CPUs.
+
+    `available` is the backend's default devices; None keeps them all.
+    """
+    if replicas is None:
+        return None
+    gpus = [device for device in available if device.startswith("GPU:")]
+    if gpus:
+        return [gpus[i % len(gpus)] for i in range(replicas)]
+    return [f"CPU:{i}" for i in range(replicas)]
+
+
 def make_strategy(args: argparse.Namespace) -> Strategy:
     """The MirroredStrategy `--replicas` asks for; ValueError if the batch or precision cannot run on it."""
-    devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]
+    devices = None if args.replicas is None else replica_devices(args.replicas, get_backend().default_devices())
     strategy = MirroredStrategy(devices)
     replicas = strategy.num_replicas_in_sync
     if args.global_batch_size % replicas:
@@ -205,15 +279,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_flags(args)
         strategy = make_strategy(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+        if args.resume:
+            check_resume(args)
+        prepare_out(args)
+    except (ValueError, BackendUnavailableError) as exc:
+        parser.error(f"--resume: {exc}" if isinstance(exc, CheckpointError) else str(exc))
     if args.learning_rate is None:
         args.learning_rate = DEFAULT_LEARNING_RATES[args.optimizer]
     if args.optimizer == "sgd" and args.momentum is None:
         args.momentum = 0.9
     print(f"{strategy!r}: {strategy.num_replicas_in_sync} replicas, global batch {args.global_batch_size}, "
           f"{args.optimizer} lr {args.learning_rate}, {args.precision}")
-    result = train(args, strategy)
+    try:
+        result = train(args, strategy)
+    except CheckpointError as exc:  # a checkpoint that passed check_resume but does not fit the model
+        if not args.resume:
+            raise
+        parser.error(f"--resume: {exc}")
     print(f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epochs; {result.seconds:.1f} s, "
           f"{result.samples_per_second:,.0f} samples/s")
     print(f"checkpoint {result.checkpoint}" + (f", loss curve {result.plot}" if result.plot else ""))

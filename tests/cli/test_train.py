@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +15,9 @@ import pytest
 from distrib import cli
 from distrib.backends import detect
 from distrib.datasets import load_digits
-from distrib.cli.train import main as train_main
+from distrib.backends import cuda_problem
+from distrib.cli.progress import PlainProgress
+from distrib.cli.train import main as train_main, replica_devices
 
 
 def test_the_digits_split_is_fixed_stratified_and_scaled():
@@ -60,17 +64,106 @@ def test_one_and_four_replicas_train_the_same_model(tmp_path, capsys):
     np.testing.assert_allclose(four["step_loss"], one["step_loss"], rtol=1e-4)
 
 
+def refusal(capsys, flags: list[str]) -> str:
+    """The one line `distrib train` prints when it refuses `flags` with exit status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(flags)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("distrib train: error: ")
+    return line.removeprefix("distrib train: error: ")
+
+
 @pytest.mark.parametrize("flags, message", [
-    (["--replicas", "3", "--global-batch-size", "64"], "must divide evenly over the 3 replicas"),
-    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--replicas", "3", "--global-batch-size", "64"], "--global-batch-size must divide evenly over the 3 replicas"),
+    (["--epochs", "0"], "--epochs must be at least 1. Received: 0."),
     (["--momentum", "0.9"], "--momentum applies to --optimizer sgd only"),
     (["--resume"], "--resume found no checkpoint"),
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number of at least 0. Received: nan."),
+    (["--learning-rate", "inf"], "--learning-rate must be a finite number of at least 0. Received: inf."),
+    (["--learning-rate", "-1"], "--learning-rate must be a finite number of at least 0. Received: -1.0."),
+    (["--optimizer", "sgd", "--momentum", "2"], "--momentum must be in [0, 1]. Received: 2.0."),
+    (["--seed", "-5"], "--seed must be at least 0. Received: -5."),
+    (["--epochs", "abc"], "argument --epochs: invalid int value: 'abc'"),
+    (["--global-batch-size", "5000"], "--global-batch-size must be at most the 1442 training rows"),
+    (["--resume", "--overwrite"], "--resume continues the run in --out and --overwrite replaces it"),
 ])
-def test_bad_flags_are_refused_with_the_reason(tmp_path, capsys, flags, message):
-    with pytest.raises(SystemExit) as exit_info:
-        train_main(flags + ["--out", str(tmp_path / "run")])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+def test_bad_flags_are_refused_in_one_line_naming_the_flag(tmp_path, capsys, flags, message):
+    assert refusal(capsys, flags + ["--out", str(tmp_path / "run")]).startswith(message)
+    assert not (tmp_path / "run").exists()  # nothing is created for a run that does not start
+
+
+def test_an_out_that_is_a_file_or_under_one_is_refused(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert refusal(capsys, ["--out", str(tmp_path / "file")]).startswith("--out must be a directory. Received:")
+    assert refusal(capsys, ["--out", str(tmp_path / "file" / "run")]).startswith(
+        "--out must be a directory distrib train can create and write to. Received:")
+
+
+def test_an_out_that_cannot_be_written_is_refused(tmp_path, capsys):
+    if os.geteuid() == 0:  # root writes anywhere chmod forbids; sysfs refuses even root
+        out = Path("/sys/kernel")
+        if not out.is_dir():
+            pytest.skip("running as root without /sys/kernel: no directory refuses writes here")
+    else:
+        out = tmp_path / "read-only"
+        out.mkdir(mode=0o500)
+    assert refusal(capsys, ["--epochs", "1", "--out", str(out)]).startswith(
+        "--out must be a directory distrib train can create and write to. Received:")
+
+
+def test_running_again_into_a_run_needs_resume_or_overwrite(tmp_path, capsys):
+    flags = ["--replicas", "2", "--epochs", "1", "--out", str(tmp_path)]
+    assert train_main(flags) == 0
+    saved = (tmp_path / "ckpt").read_bytes()
+    capsys.readouterr()
+    assert refusal(capsys, flags).startswith("--out already holds a run (ckpt, history.json, loss.png): pass "
+                                             "--resume to continue it or --overwrite to replace it.")
+    assert (tmp_path / "ckpt").read_bytes() == saved
+    assert train_main(flags + ["--overwrite", "--seed", "1"]) == 0
+    assert (tmp_path / "ckpt").read_bytes() != saved
+    capsys.readouterr()
+    assert refusal(capsys, flags + ["--resume", "--hidden", "64"]).startswith(
+        "--resume needs the --hidden the checkpoint was trained with: --hidden 128. Received: --hidden 64.")
+    assert refusal(capsys, flags + ["--resume", "--optimizer", "sgd"]).startswith(
+        "--resume needs the --optimizer the checkpoint was trained with: --optimizer adam. Received: --optimizer sgd.")
+    damaged = bytearray((tmp_path / "ckpt").read_bytes())
+    damaged[-10:] = b"\xff" * 10
+    (tmp_path / "ckpt").write_bytes(bytes(damaged))
+    assert refusal(capsys, flags + ["--resume"]).startswith(f"--resume: Checkpoint {str(tmp_path / 'ckpt')!r}")
+
+
+@pytest.mark.parametrize("environment, message", [
+    ({"DISTRIB_CPU_REPLICAS": "abc"}, "DISTRIB_CPU_REPLICAS must be a positive integer. Received: 'abc'."),
+    ({"DISTRIB_BACKEND": "gpu"}, "DISTRIB_BACKEND must be 'cpu' or 'cuda'. Received: 'gpu'."),
+    pytest.param({"DISTRIB_BACKEND": "cuda"}, "DISTRIB_BACKEND=cuda, but ", marks=pytest.mark.skipif(
+        cuda_problem() is None, reason="the CUDA backend runs here")),
+])
+def test_bad_environment_variables_are_one_line_and_exit_2(tmp_path, environment, message):
+    """A fresh process: the backend is chosen once per process, from the environment."""
+    result = subprocess.run([sys.executable, "-m", "distrib", "train", "--out", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, **environment})
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith(f"distrib train: error: {message}")
+
+
+def test_an_epoch_without_steps_still_prints_its_line(capsys):
+    progress = PlainProgress()
+    progress.start_epoch(0, 1, steps=0)
+    progress.end_epoch(0.5)
+    assert capsys.readouterr().out.startswith("epoch 1/1  loss nan  test accuracy 50.00%")
+
+
+@pytest.mark.parametrize("replicas, available, expected", [
+    (None, ("GPU:0", "GPU:1"), None),
+    (2, ("GPU:0", "GPU:1", "GPU:2", "GPU:3"), ["GPU:0", "GPU:1"]),
+    (4, ("GPU:0", "GPU:1"), ["GPU:0", "GPU:1", "GPU:0", "GPU:1"]),
+    (3, ("CPU:0", "CPU:1"), ["CPU:0", "CPU:1", "CPU:2"]),
+])
+def test_replicas_take_gpus_when_there_are_some(replicas, available, expected):
+    """`--replicas N` is N GPUs, or N replicas over the GPUs there are, as `torchrun --nproc_per_node` is."""
+    assert replica_devices(replicas, available) == expected
 
 
 def test_the_command_line_runs_info_and_train():
