@@ -105,12 +105,13 @@ def require_cross_replica(api: str, strategy: Any = None, hint: str = "") -> Non
 
     Raises:
       ContextError (a RuntimeError): called inside a replica function of a non-default strategy.
-      ValueError: called inside the scope of a strategy other than `strategy`.
+      ContextError (a RuntimeError): called inside the scope of a strategy other than `strategy`, as TensorFlow
+        raises RuntimeError.
     """
     top = current()
     if top.replica_context is not None and not is_default(top.strategy):
         raise ContextError(f"{api} must be called in a cross-replica context (outside Strategy.run, or in a "
                            f"merge_call's merge_fn), not inside a replica function{'; ' + hint if hint else ''}.")
     if strategy is not None and not is_default(top.strategy) and top.strategy is not strategy:
-        raise ValueError(f"Mixing different distrib strategies is not allowed: {api} of {strategy!r} was called "
+        raise ContextError(f"Mixing different distrib strategies is not allowed: {api} of {strategy!r} was called "
                          f"inside {top.strategy!r}'s scope.")

@@ -17,7 +17,7 @@ from distrib.devices import HOST, canonical_name
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.input import InputWorkers
 from distrib.options import CommunicationOptions, ReduceOp
-from distrib.replica_context import NOT_REDUCIBLE, normalize_axes
+from distrib.replica_context import normalize_axes, reducible
 from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_scalar, local_components, regroup,
                             select_replica)
 from distrib.variables import (DistributedVariable, MirroredVariable, Variable, VariableAggregation,
@@ -78,8 +78,8 @@ class StrategyExtended(abc.ABC):
 
     def _destinations(self, destinations: Any) -> tuple[str, ...]:
         if destinations is None:
-            raise ValueError("destinations must be a device name, a distributed value or a distributed variable. "
-                             "Received: None.")
+            raise ValueError("destinations must be a device name, an array, a distributed value or a distributed "
+                             "variable. Received: None.")
         if isinstance(destinations, (list, tuple)):
             raise ValueError(f"destinations can not be a list or tuple; pass a device name or a distributed value. "
                              f"Received: {destinations!r}.")
@@ -100,8 +100,10 @@ class StrategyExtended(abc.ABC):
                 return self._devices
             raise ValueError(f"destinations has {len(destinations.values)} components but the strategy has "
                              f"{len(self._devices)} replicas.")
-        raise TypeError(f"destinations must be a device name, a distributed value or a distributed variable. "
-                        f"Received: {type(destinations).__name__}.")
+        if hasattr(destinations, "__dlpack_device__"):
+            return self._destinations(_array_device(destinations))  # an array: its device, as in TensorFlow
+        raise TypeError(f"destinations must be a device name, an array, a distributed value or a distributed "
+                        f"variable. Received: {type(destinations).__name__}.")
 
     # -- reductions -------------------------------------------------------------------------------------
 
@@ -209,9 +211,16 @@ class StrategyExtended(abc.ABC):
                          synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
                          aggregation: VariableAggregation | str = VariableAggregation.NONE,
                          dtype: Any = None) -> DistributedVariable:
-        """What `distrib.Variable(...)` builds inside this strategy's scope."""
-        context.require_cross_replica("distrib.Variable", hint="create variables inside strategy.scope(), outside "
-                                      "strategy.run, so that every replica shares them")
+        """What `distrib.Variable(...)` builds inside this strategy's scope.
+
+        Inside `strategy.run` every replica calls it; one merge_call then creates one variable from replica 0's
+        initial value and hands it to every replica, as TensorFlow's MirroredStrategy does.
+        """
+        top = context.current()
+        if top.replica_context is not None and top.strategy is self._container_strategy:
+            return top.replica_context.merge_call(lambda strategy: self._create_variable(
+                initial_value, trainable, name, synchronization, aggregation, dtype))
+        context.require_cross_replica("distrib.Variable", self._container_strategy)
         colocated = getattr(self._colocation, "variable", None)
         devices = colocated.devices if colocated is not None else self._devices
         return create_distributed_variable(self._container_strategy, self._backend, devices, initial_value,
@@ -328,10 +337,19 @@ class StrategyExtended(abc.ABC):
 
 def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
     first = arrays[0]
-    if first.dtype.kind in NOT_REDUCIBLE:
+    if not reducible(first.dtype):
         raise TypeError(f"Reductions need numeric values. Received: dtype {first.dtype} at value {position}.")
     for replica_id, array in enumerate(arrays[1:], start=1):
         if array.shape != first.shape or array.dtype != first.dtype:
             raise CollectiveMismatchError(
                 f"reduce_to needs the same shape and dtype on every replica. Received: replica {replica_id}, value "
                 f"{position}, {array.dtype}{list(array.shape)} vs {first.dtype}{list(first.shape)}.")
+
+
+_DLPACK_CUDA = 2  # DLPack's kDLCUDA; kDLCPU (1) and pinned host memory (3) are the host CPU
+
+
+def _array_device(array: Any) -> str:
+    """The device name of an array, from its DLPack device: 'GPU:k' for CUDA memory, else 'CPU:0'."""
+    kind, index = array.__dlpack_device__()
+    return f"GPU:{index}" if int(kind) == _DLPACK_CUDA else "CPU:0"

@@ -181,7 +181,7 @@ class MirroredExtended(StrategyExtended):
         self._threads: list[_ReplicaThread] = []
         self._run_lock = threading.Lock()
         self._running_thread: int | None = None
-        self._current_run: _Run | None = None
+        self._active: list[tuple[_Run, list[_ReplicaThread]]] = []  # the run in progress, and any run nested in it
         self._default_timeout = default_timeout()
         weakref.finalize(container_strategy, _shutdown_threads, self._threads)
 
@@ -192,21 +192,25 @@ class MirroredExtended(StrategyExtended):
 
     def _call_for_each_replica(self, fn, args, kwargs):
         if self._running_thread == threading.get_ident():
-            raise ContextError("Strategy.run cannot be called from inside a merge_call's merge_fn of the same "
-                               "strategy while its run is in progress.")
+            # run from a merge_fn: the replica threads wait in the merge, so this run gets threads of its own
+            # (TensorFlow starts threads for every run, so nesting works there too)
+            threads = [_ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices)]
+            try:
+                return self._run(fn, args, kwargs, threads)
+            finally:
+                _shutdown_threads(threads)
         with self._run_lock:
             self._running_thread = threading.get_ident()
             try:
-                return self._run(fn, args, kwargs)
+                return self._run(fn, args, kwargs, self._ensure_threads())
             finally:
                 self._running_thread = None
 
-    def _run(self, fn, args, kwargs):
+    def _run(self, fn, args, kwargs, threads: list[_ReplicaThread]):
         count = len(self._devices)
-        threads = self._ensure_threads()
         run = _Run(self._container_strategy, self._replica_contexts, fn,
                    select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout)
-        self._current_run = run
+        self._active.append((run, threads))
         try:
             for worker in threads:
                 worker.run = run
@@ -229,7 +233,7 @@ class MirroredExtended(StrategyExtended):
                 _name_replica(exc, run.error[0], len(threads))
             raise
         finally:
-            self._current_run = None
+            self._active.pop()
             for worker in threads:
                 worker.run = None
         return regroup(run.results)
@@ -283,9 +287,10 @@ class MirroredExtended(StrategyExtended):
             threads[i] = _ReplicaThread(i, self._devices[i], self._backend)
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):
-        run = self._current_run
-        worker = self._threads[replica_id]
-        if run is None or worker.thread is not threading.current_thread():
+        current = threading.current_thread()
+        run, worker = next(((run, threads[replica_id]) for run, threads in reversed(self._active)
+                            if threads[replica_id].thread is current), (None, None))
+        if run is None:
             raise ContextError(f"{kind} must be called from the replica function that Strategy.run is running.")
         if run.stopped:
             raise _RequestedStop()

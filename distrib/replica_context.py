@@ -14,6 +14,11 @@ from distrib.values import flatten, format_path, regroup, select_replicas, struc
 NOT_REDUCIBLE = "bOSUV"
 
 
+def reducible(dtype) -> bool:
+    """Whether values of `dtype` can be summed: numbers, and ml_dtypes' bfloat16 (a NumPy kind 'V' dtype)."""
+    return dtype.kind not in NOT_REDUCIBLE or dtype.name == "bfloat16"
+
+
 class ReplicaHost(Protocol):
     """What a ReplicaContext asks of its strategy's extended object: the whole interface, nothing else.
 
@@ -162,8 +167,8 @@ class ReplicaContext:
 
 
 def _check_numeric(arrays: list, spec: Any) -> None:
-    if any(dtype.kind in NOT_REDUCIBLE for dtype in {a.dtype for a in arrays}):  # few distinct dtypes
-        k = next(k for k, a in enumerate(arrays) if a.dtype.kind in NOT_REDUCIBLE)
+    if not all(reducible(dtype) for dtype in {a.dtype for a in arrays}):  # few distinct dtypes
+        k = next(k for k, a in enumerate(arrays) if not reducible(a.dtype))
         raise TypeError(f"all_reduce needs numeric values. Received: dtype {arrays[k].dtype} at path "
                         f"{format_path(spec.paths()[k])}.")
 

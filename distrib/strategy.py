@@ -44,9 +44,10 @@ class Strategy:
         """The cluster resolver of a multi-worker strategy; None on one machine."""
         return None
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator["Strategy"]:
+    def scope(self) -> "_Scope":
         """Makes this the current strategy, in a cross-replica context, for the duration of the block.
+
+        The object it returns may be entered again, nested or after it exited, as TensorFlow's may.
 
         Example:
           >>> import distrib
@@ -55,13 +56,17 @@ class Strategy:
           ...     distrib.get_strategy() is strategy
           True
         """
+        return _Scope(self)
+
+    @contextlib.contextmanager
+    def _enter_scope(self) -> Iterator["Strategy"]:
         top = context.current()
         if top.strategy is self:
             with context.frame(self, top.replica_context):
                 yield self
             return
         if not context.is_default(top.strategy):
-            raise ValueError(f"Mixing different distrib strategies is not allowed: {self!r} was entered inside "
+            raise ContextError(f"Mixing different distrib strategies is not allowed: {self!r} was entered inside "
                              f"{top.strategy!r}.")
         with context.frame(self, None):
             yield self
@@ -98,13 +103,16 @@ class Strategy:
     def experimental_local_results(self, value: Any) -> tuple:
         """The per-replica components of `value`, as a tuple; a plain value gives a 1-tuple.
 
-        Nested structures are split leaf by leaf, so a dict of PerReplica gives one dict per replica.
+        Nested structures are split leaf by leaf, so a dict of PerReplica gives one dict per replica; a nested
+        structure with no distributed leaves gives one copy per replica, as in TensorFlow.
         """
         leaves, spec = flatten(value)
         components = [local_components(leaf) for leaf in leaves]
         counts = {len(c) for c in components if c is not None}
-        if not counts:
+        if not counts and spec.is_leaf():
             return (value,)
+        if not counts:
+            return (value,) * len(self._extended.worker_devices)
         if len(counts) > 1:
             raise ValueError(f"experimental_local_results needs distributed values of one length. Received lengths "
                              f"{sorted(counts)}.")
@@ -199,6 +207,26 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} devices={self._extended.worker_devices}>"
+
+
+class _Scope:
+    """What `strategy.scope()` returns: a context manager that may be entered again, nested or later."""
+
+    def __init__(self, strategy: Strategy):
+        self._strategy = strategy
+        self._entered = threading.local()  # each thread's stack of entries of this object
+
+    def __enter__(self) -> Strategy:
+        entry = self._strategy._enter_scope()
+        result = entry.__enter__()
+        self._entered.__dict__.setdefault("stack", []).append(entry)
+        return result
+
+    def __exit__(self, *exc_info) -> bool | None:
+        return self._entered.stack.pop().__exit__(*exc_info)
+
+    def __repr__(self) -> str:
+        return f"<scope of {self._strategy!r}>"
 
 
 class _DefaultExtended(StrategyExtended):

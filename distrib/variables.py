@@ -94,10 +94,11 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
     Args:
       initial_value: an array-like, or a callable returning one (called once).
       trainable: whether optimizers and `trainable_variables` lists should include it; default True, and False
-        for `synchronization=ON_READ` (which cannot be trainable).
+        for `synchronization=ON_READ` (whose copies diverge; True is allowed, as in TensorFlow).
       name: a name, used in checkpoints and error messages.
       synchronization: a `VariableSynchronization` (distributed variables only).
-      aggregation: a `VariableAggregation`: how replica-context writes combine (distributed variables only).
+      aggregation: a `VariableAggregation` or its name (None means NONE): how replica-context writes combine
+        (distributed variables only).
       dtype: the dtype to convert `initial_value` to (default: its own).
 
     Example:
@@ -112,7 +113,7 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
                  aggregation: VariableAggregation | str = VariableAggregation.NONE, dtype: Any = None, *,
                  device: str = "CPU:0", backend: Backend | None = None):
         self._synchronization = coerce_enum(VariableSynchronization, synchronization, "synchronization")
-        self._aggregation = coerce_enum(VariableAggregation, aggregation, "aggregation")
+        self._aggregation = _coerce_aggregation(aggregation)
         self._backend = backend if backend is not None else get_backend("cpu")
         self._device = device
         if callable(initial_value):
@@ -402,6 +403,13 @@ class SyncOnReadVariable(DistributedVariable):
         return self._update_all(method, value)
 
 
+def _coerce_aggregation(aggregation: Any) -> VariableAggregation:
+    """A VariableAggregation from a member or its name; None means NONE, as in TensorFlow."""
+    if aggregation is None:
+        return VariableAggregation.NONE
+    return coerce_enum(VariableAggregation, aggregation, "aggregation")
+
+
 def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequence[str], initial_value: Any,
                                 trainable: bool | None = None, name: str | None = None,
                                 synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
@@ -409,16 +417,13 @@ def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequen
                                 dtype: Any = None) -> DistributedVariable:
     """The strategy's variable: components named `<name>/replica_<i>`, all starting from one initial value."""
     synchronization = coerce_enum(VariableSynchronization, synchronization, "synchronization")
-    aggregation = coerce_enum(VariableAggregation, aggregation, "aggregation")
+    aggregation = _coerce_aggregation(aggregation)
     if synchronization is VariableSynchronization.NONE:
         raise ValueError("synchronization=NONE is not supported for distributed variables; use AUTO, ON_WRITE "
                          "or ON_READ.")
     on_read = synchronization is VariableSynchronization.ON_READ
     if trainable is None:
-        trainable = not on_read
-    elif trainable and on_read:
-        raise ValueError("synchronization=ON_READ is only for non-trainable variables (such as metrics): its "
-                         "copies diverge, so gradients could not keep them in sync. Pass trainable=False.")
+        trainable = not on_read  # TensorFlow allows trainable=True with ON_READ too
     if callable(initial_value):
         initial_value = initial_value()  # once: every replica starts from the same value
     primary = Variable.__new__(Variable)

@@ -116,7 +116,7 @@ def test_the_same_strategy_can_be_entered_again():
 def test_another_strategy_cannot_be_entered_inside_a_scope(strategy):
     other = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
     with strategy.scope():
-        with pytest.raises(ValueError, match="Mixing different distrib strategies is not allowed"):
+        with pytest.raises(RuntimeError, match="Mixing different distrib strategies is not allowed"):
             with other.scope():
                 pass
         assert distrib.get_strategy() is strategy
@@ -126,7 +126,7 @@ def test_another_strategys_cross_replica_api_cannot_be_used_inside_a_scope(strat
     other = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
     value = other.experimental_distribute_values_from_function(lambda ctx: np.float32(1))
     with strategy.scope():
-        with pytest.raises(ValueError, match="Mixing different distrib strategies is not allowed"):
+        with pytest.raises(RuntimeError, match="Mixing different distrib strategies is not allowed"):
             other.reduce("SUM", value, axis=None)
 
 
@@ -174,5 +174,5 @@ def test_one_cross_replica_check_names_the_api_and_the_hint():
 
     strategy.run(in_replica)
     other = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
-    with other.scope(), pytest.raises(ValueError, match="^Mixing different distrib strategies is not allowed: my_api"):
+    with other.scope(), pytest.raises(RuntimeError, match="^Mixing different distrib strategies is not allowed: my_api"):
         require_cross_replica("my_api", strategy)

@@ -106,3 +106,11 @@ def test_a_strategy_without_devices_uses_emulated_cpus_when_no_gpu_can_run():
     strategy = distrib.MirroredStrategy()
     assert strategy.num_replicas_in_sync >= 1
     assert all(d.startswith("CPU:") for d in strategy.extended.worker_devices)
+
+
+def test_reduce_to_takes_an_array_as_destinations_its_device(strategy):
+    values = strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(1))
+    reduced = strategy.extended.reduce_to("SUM", values, destinations=np.zeros(3))
+    assert [float(x) for x in local(strategy, reduced)] == [4.0]  # onto CPU:0, where a NumPy array lives
+    with pytest.raises(ValueError, match="A non-distributed value cannot be reduced with SUM on 4 replicas"):
+        strategy.extended.reduce_to("SUM", np.float32(1), destinations=np.zeros(3))

@@ -203,6 +203,16 @@ def test_merge_fn_must_be_callable(strategy):
         strategy.run(lambda: distrib.get_replica_context().merge_call("not a function"))
 
 
-def test_run_cannot_be_called_from_a_merge_fn(strategy):
-    with pytest.raises(RuntimeError, match="Strategy.run cannot be called from inside a merge_call"):
-        strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: s.run(lambda: None)))
+def test_run_inside_a_merge_fn_runs_every_replica_as_in_tensorflow(strategy):
+    def step():
+        return distrib.get_replica_context().merge_call(
+            lambda s: s.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1))))
+
+    assert [float(x) for x in local(strategy, strategy.run(step))] == [4.0] * 4
+
+    def fails():
+        raise KeyError("from the nested run")
+
+    with pytest.raises(KeyError, match="from the nested run"):
+        strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: s.run(fails)))
+    assert [float(x) for x in local(strategy, strategy.run(step))] == [4.0] * 4  # still usable

@@ -236,3 +236,20 @@ def test_public_objects_print_themselves(strategy):
     assert repr(distrib.ReductionToOneDevice()) == "ReductionToOneDevice(reduce_to_device=None)"
     assert repr(distrib.ValueContext(1, 4)) == "ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=4)"
     assert repr(CommunicationOptions(bytes_per_pack=64)).startswith("CommunicationOptions(bytes_per_pack=64, ")
+
+
+def test_local_results_of_a_structure_without_distributed_leaves_is_one_copy_per_replica(strategy):
+    out = strategy.run(lambda: {"loss": 1, "names": ["a", "b"]})
+    assert strategy.experimental_local_results(out) == ({"loss": 1, "names": ["a", "b"]},) * 4
+    assert strategy.experimental_local_results(7) == (7,)
+
+
+def test_the_same_scope_object_may_be_entered_again(strategy):
+    scope = strategy.scope()
+    with scope:
+        with scope:
+            assert distrib.get_strategy() is strategy
+        assert distrib.get_strategy() is strategy
+    assert not distrib.has_strategy()
+    with scope:
+        assert distrib.get_strategy() is strategy

@@ -164,9 +164,10 @@ def test_default_name_is_variable(strategy):
     assert v.values[2].name == "Variable/replica_2"
 
 
-def test_creating_a_variable_inside_strategy_run_raises_runtime_error(strategy):
-    with pytest.raises(RuntimeError, match="cross-replica context"):
-        strategy.run(lambda: distrib.Variable(np.float32(0)))
+def test_a_variable_created_inside_strategy_run_is_one_mirrored_variable(strategy):
+    variable = strategy.run(lambda: distrib.Variable(np.float32(3), aggregation="MEAN"))
+    assert isinstance(variable, distrib.MirroredVariable) and variable.aggregation is distrib.VariableAggregation.MEAN
+    assert copies(variable) == [3.0] * 4
 
 
 def test_trainable_shape_dtype_and_name(strategy):
@@ -808,10 +809,17 @@ def test_merge_fn_reduces_per_replica_updates_onto_a_variable_then_updates_it(st
     assert copies(v) == [[-4.0, -4.0]] * 4
 
 
-def test_sync_on_read_variables_are_not_trainable_by_default_and_cannot_be(strategy):
+def test_sync_on_read_variables_are_not_trainable_by_default_but_may_be(strategy):
     with strategy.scope():
         metric = distrib.Variable(np.float32(0), synchronization="ON_READ", aggregation="SUM")
         assert metric.trainable is False
         assert distrib.Variable(np.float32(0)).trainable is True
-        with pytest.raises(ValueError, match="synchronization=ON_READ is only for non-trainable variables"):
-            distrib.Variable(np.float32(0), trainable=True, synchronization="ON_READ", aggregation="SUM")
+        trainable = distrib.Variable(np.float32(0), trainable=True, synchronization="ON_READ", aggregation="SUM")
+    assert isinstance(trainable, distrib.SyncOnReadVariable) and trainable.trainable is True
+
+
+def test_aggregation_none_means_none(strategy):
+    with strategy.scope():
+        v = distrib.Variable(np.float32(0), aggregation=None)
+    assert v.aggregation is distrib.VariableAggregation.NONE
+    assert distrib.Variable(np.float32(0), aggregation=None).aggregation is distrib.VariableAggregation.NONE

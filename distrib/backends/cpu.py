@@ -78,6 +78,8 @@ def to_numpy(value: Any) -> np.ndarray:
         return value
     if isinstance(value, (np.number, np.bool_, int, float, complex, bool)):
         return np.asarray(value)
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+        return _torch_to_numpy(value)
     if hasattr(value, "__cuda_array_interface__"):
         if hasattr(value, "get"):  # CuPy
             return value.get()
@@ -97,6 +99,21 @@ def to_numpy(value: Any) -> np.ndarray:
         raise TypeError(f"Expected an array of numbers. Received: {type(value).__name__} that NumPy holds "
                         f"as dtype={array.dtype}.")
     return array
+
+
+def _torch_to_numpy(tensor: Any) -> np.ndarray:
+    """A PyTorch tensor as NumPy: its values without autograd's history, bfloat16 as ml_dtypes' bfloat16."""
+    import torch  # already imported: `tensor` is one of its tensors
+
+    tensor = tensor.detach().cpu()  # a value leaves autograd here, as a tensor fed to TensorFlow would
+    if tensor.dtype != torch.bfloat16:
+        return tensor.numpy()
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError("A bfloat16 tensor needs ml_dtypes, NumPy's bfloat16 (pip install ml_dtypes). Received: a "
+                        "torch.bfloat16 tensor.") from None
+    return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # the same bits, reinterpreted
 
 
 def _shared(array: np.ndarray, count: int) -> list[np.ndarray]:
