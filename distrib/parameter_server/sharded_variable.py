@@ -1,4 +1,4 @@
-"""ShardedVariable: one variable split along axis 0 into shards (on parameter servers), read and written whole or by row."""
+"""ShardedVariable: a variable split along axis 0 into shards, read and written whole or by row."""
 
 from __future__ import annotations
 

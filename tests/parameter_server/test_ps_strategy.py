@@ -1,4 +1,4 @@
-"""ParameterServerStrategy on a local Ray cluster: placement, partitioning, sharded operations, optimizers, checkpoints."""
+"""ParameterServerStrategy on a local Ray cluster: placement, partitioning, sharded ops, optimizers, checkpoints."""
 
 from __future__ import annotations
 
@@ -130,19 +130,25 @@ def test_checkpoints_restore_across_shard_counts(strategy, tmp_path, ray_cluster
     value = np.arange(26, dtype=np.float32).reshape(13, 2)
     with strategy.scope():
         table = distrib.Variable(value, name="ckpt_table")
-    path = distrib.Checkpoint(table=table, step=3).save(tmp_path / "ps.ckpt")
+        optimizer = distrib.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+        optimizer.build([table])
+    optimizer.get_slot(table, "momentum").assign(value / 2)
+    path = distrib.Checkpoint(table=table, optimizer=optimizer, step=3).save(tmp_path / "ps.ckpt")
     table.assign(np.zeros_like(value))
-    assert distrib.Checkpoint(table=table, step=0).restore(path) == {"step": 3}
+    assert distrib.Checkpoint(table=table, optimizer=optimizer, step=0).restore(path) == {"step": 3}
     np.testing.assert_array_equal(table.numpy(), value)
     three = distrib.ParameterServerStrategy(RayClusterResolver(num_workers=1, num_ps=3),
                                             variable_partitioner=FixedShardsPartitioner(3))
     with three.scope():
         restored = distrib.Variable(np.zeros_like(value), name="ckpt_table")
-    distrib.Checkpoint(table=restored, step=0).restore(path)
+        restored_optimizer = distrib.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+        restored_optimizer.build([restored])
+    distrib.Checkpoint(table=restored, optimizer=restored_optimizer, step=0).restore(path)
     assert len(restored.variables) == 3
     np.testing.assert_array_equal(restored.numpy(), value)
+    np.testing.assert_array_equal(restored_optimizer.get_slot(restored, "momentum").numpy(), value / 2)
     plain = distrib.Variable(np.zeros_like(value))
-    distrib.Checkpoint(table=plain, step=0).restore(path)
+    distrib.Checkpoint(table=plain).restore(path, allow_partial=True)
     np.testing.assert_array_equal(plain.numpy(), value)
     three._cluster.shutdown()
 
@@ -187,3 +193,10 @@ def test_distrib_imports_without_ray_and_the_strategy_says_what_to_install():
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
     assert out.startswith("ParameterServerStrategy runs on Ray, which is not installed. Install it with "
                           "pip install 'distrib[ps]'.")
+
+
+def test_the_ray_resolver_reads_the_cluster(ray_cluster):
+    resolver = RayClusterResolver()  # the session's cluster: one node, 2 CPUs
+    assert resolver.num_tasks("ps") == 1 and resolver.num_tasks("worker") == 1
+    node = resolver.cluster_spec()["ps"][0]
+    assert RayClusterResolver(num_workers=3, num_ps=2).cluster_spec()["worker"] == [node] * 3
