@@ -109,7 +109,7 @@ def test_compute_sanitizer_finds_nothing_in_the_kernels(tool):
     result = subprocess.run(
         [sanitizer, f"--tool={tool}", "--error-exitcode=99", sys.executable, "-m", "pytest", "-q", "-x", "-p",
          "no:cacheprovider", "-m", "gpu", "-k", "not sanitizer and not 1048576 and not sizes4", __file__,
-         str(pathlib.Path(__file__).with_name("test_optimizers_gpu.py"))],  # optimizer.cu's kernels are tested there
+         str(pathlib.Path(__file__).with_name("test_gpu_optimizers.py"))],  # optimizer.cu's kernels are tested there
         capture_output=True, text=True, timeout=1800, env={**os.environ, "DISTRIB_UNDER_SANITIZER": "1"})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr

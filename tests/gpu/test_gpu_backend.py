@@ -1,0 +1,59 @@
+"""The CUDA backend on a GPU: discovery, placement, input prefetch, strategies reducing to the host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import distrib
+from distrib.backends import get_backend
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return get_backend("cuda")
+
+
+# -- discovery ---------------------------------------------------------------------------------------------------------
+
+
+def test_nvml_names_each_gpu_by_the_uuid_cuda_gives_its_ordinal(backend):
+    from distrib.backends.cuda.devices import cuda_gpus
+
+    assert [g.uuid for g in backend.gpus] == [g.uuid for g in cuda_gpus()]
+    assert backend.default_devices() == tuple(f"GPU:{k}" for k in range(cupy.cuda.runtime.getDeviceCount()))
+
+
+def test_prefetch_to_device_delivers_the_batches_ordered_on_the_device_stream(backend):
+    rng = np.random.default_rng(7)
+    batches = [[rng.standard_normal((256, 64)).astype(np.float32), rng.integers(0, 10, 256).astype(np.int32),
+                np.zeros((0, 3), np.float32)] for _ in range(6)]
+    placed = [backend.prefetch_to_device(batch, "GPU:0") for batch in batches]
+    with backend.device_scope("GPU:0"):  # kernels on the device's stream see the copied data without a host wait
+        sums = [float(arrays[0].sum()) for arrays in placed]
+    for batch, arrays, total in zip(batches, placed, sums):
+        for host, device in zip(batch, arrays):
+            assert device.shape == host.shape and device.dtype == host.dtype
+            np.testing.assert_array_equal(device.get(), host)
+        assert total == pytest.approx(float(batch[0].sum()), rel=1e-4)
+
+
+def test_distributed_dataset_on_the_gpu_matches_the_emulator():
+    data = np.arange(40, dtype=np.float32).reshape(20, 2)
+    batches = [data[i:i + 7] for i in range(0, 20, 7)]
+    gpu = distrib.MirroredStrategy(["GPU:0"] * 4)
+    cpu = distrib.MirroredStrategy([f"CPU:{i}" for i in range(4)])
+    for on_gpu, on_cpu in zip(gpu.experimental_distribute_dataset(batches), cpu.experimental_distribute_dataset(batches)):
+        for a, b in zip(gpu.experimental_local_results(on_gpu), cpu.experimental_local_results(on_cpu)):
+            np.testing.assert_array_equal(cupy.asnumpy(a), b)
+
+
+def test_a_strategy_on_a_gpu_runs_and_reduces_to_host():
+    strategy = distrib.MirroredStrategy(["GPU:0", "GPU:0"])
+    out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", cupy.ones(3)))
+    assert isinstance(strategy.experimental_local_results(out)[0], cupy.ndarray)
+    np.testing.assert_array_equal(strategy.reduce("MEAN", out, axis=None), np.full(3, 2.0))
