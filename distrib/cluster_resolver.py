@@ -1,12 +1,14 @@
-"""Cluster resolvers: which tasks (workers, parameter servers) a cluster has, from TF_CONFIG or from Ray."""
+"""Cluster resolvers: which tasks (workers, parameter servers) a cluster has, from TF_CONFIG, MPI, Slurm or Ray."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
-__all__ = ["ClusterResolver", "RayClusterResolver", "TFConfigClusterResolver"]
+__all__ = ["ClusterResolver", "MPIClusterResolver", "RayClusterResolver", "SlurmClusterResolver",
+           "TFConfigClusterResolver"]
 
 
 class ClusterResolver:
@@ -22,6 +24,22 @@ class ClusterResolver:
     def num_tasks(self, job: str) -> int:
         """How many tasks the job `job` ("worker", "ps", "chief") has; 0 when the cluster has no such job."""
         return len(self.cluster_spec().get(job, []))
+
+    def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
+        """The address of task `task_type:task_id` (default: this task), prefixed `rpc_layer://` when one is set;
+        '' when the cluster does not list that task."""
+        task_type = self.task_type if task_type is None else task_type
+        task_id = self.task_id if task_id is None else task_id
+        tasks = self.cluster_spec().get(task_type or "", [])
+        if task_id is None or not 0 <= task_id < len(tasks):
+            return ""
+        layer = rpc_layer or self.rpc_layer
+        return f"{layer}://{tasks[task_id]}" if layer else tasks[task_id]
+
+    def num_accelerators(self, task_type: str | None = None, task_id: int | None = None,
+                         config_proto: Any = None) -> dict[str, int]:
+        """Accelerators this task can use, as TensorFlow reports them: {"GPU": n}, or {} without GPUs."""
+        return local_accelerators()
 
     def __repr__(self) -> str:
         counts = {job: len(tasks) for job, tasks in self.cluster_spec().items()}
@@ -58,6 +76,18 @@ class TFConfigClusterResolver(ClusterResolver):
 
     def cluster_spec(self) -> dict[str, list[str]]:
         return {job: list(tasks) for job, tasks in self._cluster.items()}
+
+
+def local_accelerators() -> dict[str, int]:
+    """{"GPU": n} for the GPUs NVML sees under CUDA_VISIBLE_DEVICES (no CUDA context is created); {} for none."""
+    try:
+        import pynvml  # noqa: F401 - without NVML, counting would initialise CUDA: report none instead
+        from distrib.backends.cuda.devices import discover
+
+        count = len(discover())
+    except Exception:  # no NVML library, no driver: no GPU this task can use
+        count = 0
+    return {"GPU": count} if count else {}
 
 
 def _tf_config() -> dict[str, Any]:
@@ -114,3 +144,164 @@ class RayClusterResolver(ClusterResolver):
             self._spec = {"chief": [nodes[0]], "worker": [nodes[i % len(nodes)] for i in range(num_workers)],
                           "ps": [nodes[i % len(nodes)] for i in range(num_ps)]}
         return {job: list(tasks) for job, tasks in self._spec.items()}
+
+
+# (rank, size, local rank, local size) as each launcher names them; Slurm's srun is read by SlurmClusterResolver.
+_MPI_ENVIRONMENTS = (
+    ("Open MPI", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                  "OMPI_COMM_WORLD_LOCAL_SIZE")),
+    ("MPICH", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
+    ("PMI", ("PMI_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")),
+    ("PMIx", ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE")),
+)
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer. Received: {raw!r}.") from None
+
+
+def mpi_environment() -> tuple[str, int, int, int, int] | None:
+    """(launcher, rank, size, local rank, local size) from the MPI launcher's environment; None outside one."""
+    for launcher, (rank, size, local_rank, local_size) in _MPI_ENVIRONMENTS:
+        if rank in os.environ and size in os.environ:
+            has_local = local_rank in os.environ and local_size in os.environ
+            return (launcher, _env_int(rank), _env_int(size), _env_int(local_rank) if has_local else 0,
+                    _env_int(local_size) if has_local else 1)
+    return None
+
+
+class MPIClusterResolver(ClusterResolver):
+    """Reads this process's place in an MPI job from the launcher's environment (Open MPI, MPICH, PMI, PMIx).
+
+    Every rank is a "worker" task (rank 0 is the chief); task addresses are `mpi:<rank>`, since MPI itself
+    connects the processes. Outside an MPI launcher the job has one task, this process.
+
+    Args:
+      task_type: the job name of every rank (default "worker").
+
+    Example:
+      >>> import distrib
+      >>> resolver = distrib.cluster_resolver.MPIClusterResolver()   # a plain `python` run: one task
+      >>> resolver.task_id, resolver.num_tasks("worker"), resolver.local_rank
+      (0, 1, 0)
+    """
+
+    def __init__(self, task_type: str = "worker"):
+        found = mpi_environment()
+        self.launcher, self.task_id, self.size, self.local_rank, self.local_size = found or (None, 0, 1, 0, 1)
+        if not 0 <= self.task_id < self.size:
+            raise ValueError(f"The MPI rank must lie in [0, size). Received: rank {self.task_id} of {self.size} "
+                             f"({self.launcher} environment).")
+        self.task_type = task_type
+
+    def cluster_spec(self) -> dict[str, list[str]]:
+        return {self.task_type: [f"mpi:{rank}" for rank in range(self.size)]}
+
+
+class SlurmClusterResolver(ClusterResolver):
+    """Reads the cluster from Slurm's environment inside `srun` (or `sbatch`): tasks, nodes and this task's rank.
+
+    Tasks are spread over the nodes of `SLURM_STEP_NODELIST` (or `SLURM_JOB_NODELIST`) as
+    `SLURM_STEP_TASKS_PER_NODE` says, and addressed `node:port`, ports counting up from `port_base` on each node.
+
+    Args:
+      jobs: job name to task count (default: every task is a "worker").
+      port_base: the first port on each node.
+      gpus_per_node: GPUs reported by `num_accelerators` (default: what the node's NVML sees).
+      rpc_layer: prefix of `master()`.
+
+    Example:
+      >>> import distrib, os
+      >>> os.environ.update(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="4", SLURM_STEP_NODELIST="gpu[07-08]",
+      ...                   SLURM_STEP_TASKS_PER_NODE="2(x2)")
+      >>> resolver = distrib.cluster_resolver.SlurmClusterResolver()
+      >>> resolver.cluster_spec(), resolver.task_id
+      ({'worker': ['gpu07:8888', 'gpu07:8889', 'gpu08:8888', 'gpu08:8889']}, 1)
+      >>> for name in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE"):
+      ...     del os.environ[name]
+    """
+
+    def __init__(self, jobs: dict[str, int] | None = None, port_base: int = 8888, gpus_per_node: int | None = None,
+                 rpc_layer: str | None = None):
+        rank, size = _slurm_int("SLURM_PROCID"), _slurm_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+        nodes = expand_hostlist(_slurm("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
+        per_node = expand_tasks_per_node(_slurm("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
+        if len(per_node) != len(nodes) or sum(per_node) != size:
+            raise ValueError(f"Slurm's node list and tasks per node must describe {size} tasks. Received: nodes "
+                             f"{nodes}, tasks per node {per_node}.")
+        addresses = [f"{node}:{port_base + k}" for node, count in zip(nodes, per_node) for k in range(count)]
+        jobs = {"worker": size} if jobs is None else dict(jobs)
+        if sum(jobs.values()) != size:
+            raise ValueError(f"jobs must account for every one of the {size} Slurm tasks. Received: {jobs}.")
+        self._cluster, first = {}, 0
+        for job, count in jobs.items():
+            self._cluster[job] = addresses[first:first + count]
+            if first <= rank < first + count:
+                self.task_type, self.task_id = job, rank - first
+            first += count
+        self._gpus_per_node, self.rpc_layer = gpus_per_node, rpc_layer
+
+    def cluster_spec(self) -> dict[str, list[str]]:
+        return {job: list(tasks) for job, tasks in self._cluster.items()}
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict[str, int]:
+        if self._gpus_per_node is None:
+            return local_accelerators()
+        return {"GPU": self._gpus_per_node} if self._gpus_per_node else {}
+
+
+def _slurm(*names: str) -> str:
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    raise ValueError(f"SlurmClusterResolver needs Slurm's environment ({' or '.join(names)}); run it inside "
+                     f"srun or sbatch. Received: no {names[0]}.")
+
+
+def _slurm_int(*names: str) -> int:
+    raw = _slurm(*names)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{names[0]} must be an integer. Received: {raw!r}.") from None
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Slurm's compressed host list expanded: "gpu[01-02,05],login" -> ["gpu01", "gpu02", "gpu05", "login"].
+
+    Example:
+      >>> expand_hostlist("n[1-3],m7")
+      ['n1', 'n2', 'n3', 'm7']
+    """
+    hosts = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*),?", hostlist):
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            if not low.isdigit() or (high and not high.isdigit()):
+                raise ValueError(f"A Slurm host list range must be N or N-M. Received: {part!r} in {hostlist!r}.")
+            width = len(low)
+            hosts.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(int(low), int(high or low) + 1))
+    return hosts
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Slurm's tasks-per-node list expanded: "2(x3),1" -> [2, 2, 2, 1].
+
+    Example:
+      >>> expand_tasks_per_node("2(x3),1")
+      [2, 2, 2, 1]
+    """
+    counts = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not match:
+            raise ValueError(f"Slurm's tasks per node look like '2(x3),1'. Received: {spec!r}.")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
