@@ -3,14 +3,16 @@
 from distrib import cluster_resolver, coordinator, errors, experimental, optimizers, runner
 from distrib._version import __version__
 from distrib.checkpoint import Checkpoint
-from distrib.cross_device_ops import CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
+from distrib.cross_device_ops import (CollectiveAllReduce, CrossDeviceOps, HierarchicalCopyAllReduce, NcclAllReduce,
+                                     ReductionToOneDevice)
 from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                              in_cross_replica_context)
 from distrib.extended import StrategyExtended
 from distrib.input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator, InputContext,
                            ValueContext)
 from distrib.mirrored import MirroredStrategy
-from distrib.options import (CommunicationImplementation, CommunicationOptions, InputOptions, InputReplicationMode,
+from distrib.multi_worker import MultiWorkerMirroredStrategy
+from distrib.options import (AutoShardPolicy, CommunicationImplementation, CommunicationOptions, InputOptions, InputReplicationMode,
                              ReduceOp, RunOptions)
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.strategy import ParameterServerStrategy
@@ -22,7 +24,9 @@ from distrib.variables import (DistributedVariable, MirroredVariable, SyncOnRead
 
 __all__ = [
     "__version__",
+    "AutoShardPolicy",
     "Checkpoint",
+    "CollectiveAllReduce",
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
@@ -38,6 +42,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "ParameterServerStrategy",
     "PerReplica",

@@ -100,7 +100,10 @@ class Checkpoint:
             offset += array.nbytes
         manifest = {"format": FORMAT_VERSION, "distrib_version": __version__, "entries": entries,
                     "metadata": {path_: checkpoint.metadata for path_, checkpoint in checkpoints.items()}}
-        _write_atomically(path, _serialize(json.dumps(manifest, default=_json_default).encode(), arrays))
+        extended = _strategy_of(variables).extended
+        if extended.should_checkpoint:  # in a multi-worker job only the chief writes; the others wait for it
+            _write_atomically(path, _serialize(json.dumps(manifest, default=_json_default).encode(), arrays))
+        extended._barrier("Checkpoint.save")
         return os.fspath(path)
 
     def restore(self, path: str | os.PathLike, allow_partial: bool = False) -> dict[str, Any]:
@@ -315,6 +318,14 @@ def _serialize(manifest: bytes, arrays: list[np.ndarray]) -> Iterator[bytes | np
     yield manifest
     for array in arrays:
         yield array.reshape(-1).view(np.uint8)
+
+
+def _strategy_of(variables: dict) -> Any:
+    """The strategy the variables are distributed by (the current one when none is distributed)."""
+    for variable, _, _ in variables.values():
+        if getattr(variable, "_strategy", None) is not None:
+            return variable._strategy
+    return context.get_strategy()
 
 
 def _write_atomically(path: str | os.PathLike, chunks: Iterator[bytes | np.ndarray]) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from distrib.backends.base import Backend
 from distrib import plan as planner
 from distrib.devices import HOST
@@ -43,7 +45,7 @@ class CrossDeviceOps:
         """Concatenation of the components along `axis` on every device; lengths along `axis` may differ."""
         xp = backend.xp
         fronts = [xp.moveaxis(c, axis, 0) for c in components]
-        lengths = [f.shape[0] for f in fronts]
+        lengths = self._gathered_lengths(backend, [f.shape[0] for f in fronts], devices)
         longest = max(lengths)
         rest = fronts[0].shape[1:]
         ragged = any(n != longest for n in lengths)
@@ -62,14 +64,18 @@ class CrossDeviceOps:
                 flats.append(xp.ascontiguousarray(front).reshape(-1))
         results = []
         for gathered, device in zip(backend.all_gather(flats, list(devices)), devices):
-            blocks = gathered.reshape((len(components), longest) + rest)
+            blocks = gathered.reshape((len(lengths), longest) + rest)
             if ragged:
                 with backend.device_scope(device):
                     joined = xp.concatenate([blocks[r, :n] for r, n in enumerate(lengths)], axis=0)
             else:
-                joined = blocks.reshape((len(components) * longest,) + rest)
+                joined = blocks.reshape((len(lengths) * longest,) + rest)
             results.append(xp.moveaxis(joined, 0, axis))
         return results
+
+    def _gathered_lengths(self, backend: Backend, lengths: list[int], devices: Sequence[str]) -> list[int]:
+        """The lengths along the gather axis of every replica taking part (here: the local ones)."""
+        return lengths
 
 
 def _reduce_on(backend: Backend, op: ReduceOp, components: Sequence[Any], target: str,
@@ -200,6 +206,27 @@ class HierarchicalCopyAllReduce(_PackedAllReduce):
 
     def _method(self, implementation):
         return planner.HIERARCHICAL
+
+
+class CollectiveAllReduce(NcclAllReduce):
+    """MultiWorkerMirroredStrategy's cross-device ops: every reduction is an all-reduce over every replica of
+    every process (other processes' values are not here to be summed on one device), as in TensorFlow.
+
+    Args:
+      num_packs: as for `NcclAllReduce`.
+    """
+
+    def reduce_to(self, backend, op, components, devices, destinations):
+        plan = self.all_reduce_plan([(components[0].shape, components[0].dtype)], op, len(devices),
+                                    CommunicationOptions())
+        total = backend.execute(plan, [[c] for c in components], list(devices))[0][0]
+        if tuple(destinations) == (HOST,):
+            return [backend.to_host(total)]
+        return [backend.copy(total, d) for d in destinations]
+
+    def _gathered_lengths(self, backend, lengths, devices):
+        parts = [backend.to_device(np.array([n], np.int64), d) for n, d in zip(lengths, devices)]
+        return [int(n) for n in backend.to_host(backend.all_gather(parts, list(devices))[0])]
 
 
 def default_cross_device_ops(backend: Backend) -> CrossDeviceOps:

@@ -13,7 +13,8 @@
         ├── DeviceError            (+ RuntimeError)  the CUDA runtime or driver reported another error
         ├── CheckpointError        (+ ValueError)    a checkpoint file is damaged, or does not match the objects
         ├── ParameterServerError   (+ RuntimeError)  a parameter server died or cannot be reached
-        └── WorkerError            (+ RuntimeError)  a closure's worker died every time it ran the closure
+        ├── WorkerError            (+ RuntimeError)  a closure's worker died every time it ran the closure
+        └── WorkerFailedError      (+ RuntimeError)  a rank of a multi-worker job died or the job is being ended
 
 Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class derives from the
 builtin a TensorFlow user would catch, so `except ValueError` keeps working.
@@ -32,12 +33,15 @@ class DeadlineExceededError(DistribError, TimeoutError):
     Attributes:
       missing_replicas: replica ids that never joined the collective.
       operation: name of the collective that timed out.
+      missing_ranks: in a multi-worker job, the MPI ranks (processes) that never joined it.
     """
 
-    def __init__(self, message: str, *, missing_replicas: tuple[int, ...] = (), operation: str = ""):
+    def __init__(self, message: str, *, missing_replicas: tuple[int, ...] = (), operation: str = "",
+                 missing_ranks: tuple[int, ...] = ()):
         super().__init__(message)
         self.missing_replicas = tuple(missing_replicas)
         self.operation = operation
+        self.missing_ranks = tuple(missing_ranks)
 
 
 class CollectiveMismatchError(DistribError, ValueError):
@@ -119,3 +123,15 @@ class ParameterServerError(DistribError, RuntimeError):
 
 class WorkerError(DistribError, RuntimeError):
     """A scheduled closure's worker process died each time it ran it (a crash or out of memory, not an exception)."""
+
+
+class WorkerFailedError(DistribError, RuntimeError):
+    """A rank of a multi-worker job died, or failed before, so the job cannot continue.
+
+    Attributes:
+      ranks: the MPI ranks known to have failed (may be empty when the failure was on another host).
+    """
+
+    def __init__(self, message: str, *, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)

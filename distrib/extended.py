@@ -40,6 +40,8 @@ class StrategyExtended(abc.ABC):
       communication_options: defaults merged under every collective's own options.
     """
 
+    _first_local_replica = 0  # the global id of this process's first replica (nonzero on later workers)
+
     def __init__(self, container_strategy: Any, backend: Backend, devices: Sequence[str],
                  cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions):
         self._container_strategy = container_strategy
@@ -62,6 +64,22 @@ class StrategyExtended(abc.ABC):
     @property
     def experimental_require_static_shapes(self) -> bool:
         return False
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes checkpoints (in a multi-worker job, only the chief does)."""
+        return True
+
+    def _barrier(self, what: str) -> None:
+        """Waits until every process of the job reaches this point; one process: nothing to wait for."""
+
+    def _count_everywhere(self, count: int) -> int:
+        """`count` summed over every process of the job (one process: itself)."""
+        return count
+
+    def _first_replica_value(self, value: Any) -> Any:
+        """Replica 0's `value` (given by each process for its first local replica), as every process sees it."""
+        return value
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} devices={self._devices}>"
@@ -304,7 +322,7 @@ class StrategyExtended(abc.ABC):
         total = backend.to_host(self._cross_device_ops.reduce_to(backend, ReduceOp.SUM, sums, devices, (HOST,))[0])
         if op is ReduceOp.SUM:
             return total
-        count = sum(math.prod(a.shape[i] for i in axes) for a in arrays)
+        count = self._count_everywhere(sum(math.prod(a.shape[i] for i in axes) for a in arrays))
         return np.asarray(total / np.asarray(count, dtype=total.dtype))  # 0-d division gives a NumPy scalar
 
     # -- the ReplicaHost interface (distrib/replica_context.py) ------------------------------------------

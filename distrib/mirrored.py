@@ -177,7 +177,8 @@ class MirroredExtended(StrategyExtended):
     def __init__(self, container_strategy: Strategy, backend: Backend, devices: Sequence[str],
                  cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions):
         super().__init__(container_strategy, backend, devices, cross_device_ops, communication_options)
-        self._replica_contexts = tuple(ReplicaContext(container_strategy, i) for i in range(len(devices)))
+        first = self._first_local_replica
+        self._replica_contexts = tuple(ReplicaContext(container_strategy, first + i, first) for i in range(len(devices)))
         self._threads: list[_ReplicaThread] = []
         self._run_lock = threading.Lock()
         self._running_thread: int | None = None

@@ -155,19 +155,37 @@ class InputReplicationMode(enum.Enum):
     PER_REPLICA = "PER_REPLICA"
 
 
+class AutoShardPolicy(enum.Enum):
+    """How a multi-worker job splits a dataset over its workers (TensorFlow's tf.data AutoShardPolicy).
+
+    AUTO: FILE when the dataset has a `shard(num_shards, index)` method, else DATA. FILE: each worker reads
+    `dataset.shard(num_workers, worker_index)` and splits its batches over its own replicas. DATA: every worker
+    reads every global batch and keeps its replicas' rows, exactly the rows one process would give them.
+    OFF: every worker reads the whole dataset and splits each batch over its own replicas.
+    """
+
+    AUTO = "AUTO"
+    FILE = "FILE"
+    DATA = "DATA"
+    OFF = "OFF"
+
+
 @dataclass(frozen=True)
 class InputOptions:
-    """Options for distributed input: device prefetch and replication mode."""
+    """Options for distributed input: device prefetch, replication mode, and sharding over workers."""
 
     experimental_fetch_to_device: bool = True
     experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
     experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 1
+    auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
 
     def __post_init__(self):
         if not isinstance(self.experimental_replication_mode, InputReplicationMode):
             raise TypeError("experimental_replication_mode must be an InputReplicationMode. "
                             f"Received: {self.experimental_replication_mode!r}.")
+        if not isinstance(self.auto_shard_policy, AutoShardPolicy):
+            raise TypeError(f"auto_shard_policy must be an AutoShardPolicy. Received: {self.auto_shard_policy!r}.")
         size = self.experimental_per_replica_buffer_size
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
             raise ValueError(f"experimental_per_replica_buffer_size must be an int >= 1. Received: {size!r}.")

@@ -66,9 +66,10 @@ class ReplicaContext:
       [3.0, 3.0]
     """
 
-    def __init__(self, strategy: Any, replica_id_in_sync_group: int):
+    def __init__(self, strategy: Any, replica_id_in_sync_group: int, first_local_replica: int = 0):
         self._strategy = strategy
-        self._replica_id = replica_id_in_sync_group
+        self._replica_id = replica_id_in_sync_group - first_local_replica  # index among this process's replicas
+        self._first_local_replica = first_local_replica  # nonzero in a multi-worker job: other processes' first
 
     @property
     def _host(self) -> ReplicaHost:
@@ -81,8 +82,8 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self) -> int:
-        """This replica's id, from 0 to num_replicas_in_sync - 1."""
-        return self._replica_id
+        """This replica's id, from 0 to num_replicas_in_sync - 1 (counting every process's replicas)."""
+        return self._first_local_replica + self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -162,7 +163,7 @@ class ReplicaContext:
         return unflatten(spec, host._rendezvous(self._replica_id, kind, merge, (spec, arrays), options))
 
     def __repr__(self) -> str:
-        return (f"<ReplicaContext replica_id_in_sync_group={self._replica_id} "
+        return (f"<ReplicaContext replica_id_in_sync_group={self.replica_id_in_sync_group} "
                 f"num_replicas_in_sync={self.num_replicas_in_sync}>")
 
 

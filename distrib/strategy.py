@@ -200,7 +200,7 @@ class Strategy:
         extended = self._extended
         count = self.num_replicas_in_sync
         results = []
-        for replica_id, device in enumerate(extended.worker_devices):
+        for replica_id, device in enumerate(extended.worker_devices, start=extended._first_local_replica):
             with extended.backend.device_scope(device):
                 results.append(value_fn(ValueContext(replica_id, count)))
         return regroup(results, PerReplica, always_wrap=True)

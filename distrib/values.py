@@ -90,8 +90,8 @@ class DistributedValues:
     def _get(self) -> Any:
         """The current replica's component in a replica context, else the first (primary) one."""
         ctx = context.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync == len(self._values):
-            return self._values[ctx.replica_id_in_sync_group]
+        if ctx is not None and len(ctx._host.worker_devices) == len(self._values):
+            return self._values[ctx._replica_id]  # this process's replica: the index into local components
         return self._values[0]
 
     def __len__(self) -> int:

@@ -240,7 +240,7 @@ class DistributedVariable(_ArrayOperators, DistributedValues):
             return self._values[update_id]
         ctx = context.get_replica_context()
         if ctx is not None and ctx.strategy is self._strategy:
-            return self._values[ctx.replica_id_in_sync_group]
+            return self._values[ctx._replica_id]  # the index among this process's replicas
         return None
 
     def _get(self) -> Variable:
@@ -347,7 +347,7 @@ def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str
     """Cross-replica half of a replica-context write: combine the replicas' values, then update every copy."""
     aggregation = variable.aggregation
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-        value = value.values[0] if isinstance(value, PerReplica) else value
+        value = strategy.extended._first_replica_value(value.values[0]) if isinstance(value, PerReplica) else value
     elif isinstance(value, PerReplica):
         if aggregation is VariableAggregation.MEAN and variable.dtype.kind not in "fc":
             raise ValueError(f"Cannot update non-float variable {variable.name!r} with aggregation MEAN: the mean "
@@ -376,7 +376,7 @@ class SyncOnReadVariable(DistributedVariable):
         if local is not None:
             return local.read_value()
         if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            return self._values[0].read_value()
+            return self._strategy.extended._first_replica_value(self._values[0].read_value())
         if self._aggregation is VariableAggregation.NONE:
             raise ValueError(f"A SyncOnReadVariable with aggregation NONE has no cross-replica value "
                              f"({self._name!r}); read it inside strategy.run, or give it an aggregation.")
@@ -398,7 +398,7 @@ class SyncOnReadVariable(DistributedVariable):
             raise ValueError(f"SyncOnReadVariable {self._name!r} with aggregation SUM does not support {method} in "
                              f"a cross-replica context: the change would be counted once per replica.")
         if method == "assign" and self._aggregation is VariableAggregation.SUM:
-            share = np.asarray(self._strategy.extended.backend.to_host(value)) / len(self._values)
+            share = np.asarray(self._strategy.extended.backend.to_host(value)) / self._strategy.num_replicas_in_sync
             value = share if self.dtype.kind in "fc" else np.trunc(share).astype(self.dtype)  # 7 over 2 -> 3 + 3
         return self._update_all(method, value)
 

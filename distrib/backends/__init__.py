@@ -103,4 +103,20 @@ def get_backend(kind: str | None = None) -> Backend:
         return _INSTANCES[kind]
 
 
-__all__ = ["Backend", "cuda_problem", "detect", "get_backend"]
+_MULTI_PROCESS = {"cpu": ("distrib.backends.mpi", "MpiBackend"),
+                  "cuda": ("distrib.backends.cuda.multi_process", "MultiProcessCudaBackend")}
+
+
+def get_multi_process_backend() -> Backend:
+    """The process-wide backend of a multi-worker job: NCCL across the processes' GPUs where the CUDA backend
+    runs, else the CPU emulator over MPI. Creating it joins the MPI job, so every rank must call it."""
+    with _LOCK:
+        kind = detect()
+        key = f"{kind}+mpi"
+        if key not in _INSTANCES:
+            module, cls = _MULTI_PROCESS[kind]
+            _INSTANCES[key] = getattr(importlib.import_module(module), cls)()
+        return _INSTANCES[key]
+
+
+__all__ = ["Backend", "cuda_problem", "detect", "get_backend", "get_multi_process_backend"]

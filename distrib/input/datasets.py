@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from distrib.input.batches import ArraySpec, EmptyBatches, assemble, batch_leaves, batch_rows, place, split_bounds
 from distrib.input.contexts import InputContext, InputWorkers
 from distrib.input.prefetch import END, Prefetcher
-from distrib.options import InputOptions, InputReplicationMode
+from distrib.options import AutoShardPolicy, InputOptions, InputReplicationMode
 from distrib.values import unflatten
 
 
@@ -139,17 +139,23 @@ class DistributedDataset(_DatasetBase):
         if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported by "
                                       "distribute_datasets_from_function.")
-        self._by_file = workers.num_workers > 1 and callable(getattr(dataset, "shard", None))
+        policy, can_shard = self._options.auto_shard_policy, callable(getattr(dataset, "shard", None))
+        if policy is AutoShardPolicy.FILE and not can_shard:
+            raise ValueError(f"AutoShardPolicy.FILE needs a dataset with a shard(num_shards, index) method. "
+                             f"Received: {type(dataset).__name__}.")
+        self._by_file = workers.num_workers > 1 and (policy is AutoShardPolicy.FILE or
+                                                     (policy is AutoShardPolicy.AUTO and can_shard))
         if self._by_file:
             dataset = dataset.shard(workers.num_workers, workers.worker_index)
+        self._each_worker_whole = self._by_file or policy is AutoShardPolicy.OFF  # split over local replicas only
         self._open = _reiterable(dataset, "The dataset")
 
     def __iter__(self) -> DistributedIterator:
         batches = self._open()
         workers, options = self._workers, self._options
         local = len(workers.devices)
-        slices = local if self._by_file else workers.num_replicas_in_sync
-        first = 0 if self._by_file else workers.worker_index * local
+        slices = local if self._each_worker_whole else workers.num_replicas_in_sync
+        first = 0 if self._each_worker_whole else workers.worker_index * local
         empty = EmptyBatches()
 
         def produce() -> Any:

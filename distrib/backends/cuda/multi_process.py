@@ -1,0 +1,149 @@
+"""The CUDA backend across processes: one NCCL communicator over every GPU of every MPI rank (unverified on GPUs).
+
+Each rank drives its share of its host's GPUs (all of them with one rank per host; a contiguous slice with
+several; a shared GPU when ranks outnumber GPUs, which NCCL accepts once each rank has its own NCCL_HOSTID).
+Rank 0 makes the NCCL unique id and MPI broadcasts it; every rank then creates one communicator per local GPU
+inside one NCCL group, global NCCL ranks following global replica ids (a host's GPUs are neighbouring ranks).
+Collectives are the single-process backend's NCCL group calls on these communicators; MEAN divides by the
+global replica count, and gathers, broadcasts and reduce-scatters are sized for every replica of the job.
+
+This module is written against the single-process CUDA backend and has not been run on GPUs yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Any, Sequence
+
+import cupy
+from cupy.cuda import nccl
+
+from distrib.backends.cuda import dtypes as cuda_dtypes
+from distrib.backends.cuda import nccl as nccl_comms
+from distrib.backends.cuda.backend import CudaBackend
+from distrib.backends.process_group import ProcessGroup
+from distrib.cluster_resolver import mpi_environment
+from distrib.errors import CollectiveError
+
+
+def local_gpus(count: int, local_rank: int, local_size: int) -> list[int]:
+    """The CUDA ordinals a rank drives: a contiguous share of the host's `count` GPUs, or one shared GPU.
+
+    Example:
+      >>> local_gpus(8, 1, 2), local_gpus(1, 1, 2)
+      ([4, 5, 6, 7], [0])
+    """
+    if local_size <= count:
+        share = count // local_size
+        return list(range(local_rank * share, (local_rank + 1) * share))
+    return [local_rank % count]
+
+
+class JobCommunicators(nccl_comms.Communicators):
+    """The job-wide communicators for this rank's GPUs, created once from a unique id broadcast over MPI."""
+
+    def __init__(self, group: ProcessGroup, ordinals: Sequence[int]):
+        super().__init__()
+        self._group, self._ordinals = group, tuple(ordinals)
+
+    def _communicators(self, ordinals: tuple[int, ...], operation: str) -> list[Any]:
+        if ordinals != self._ordinals:
+            raise CollectiveError(f"{operation} must run on this rank's GPUs {list(self._ordinals)}. Received: "
+                                  f"{list(ordinals)}.", operation=operation)
+        comms = self._groups.get(ordinals)
+        if comms is None:
+            group = self._group
+            unique_id = group.comm.bcast(nccl.get_unique_id() if group.rank == 0 else None, root=0)
+            comms = []
+            try:
+                nccl.groupStart()  # several communicators in one thread must be created inside one group
+                for k, ordinal in enumerate(ordinals):
+                    with cupy.cuda.Device(ordinal):
+                        comms.append(nccl.NcclCommunicator(group.num_replicas, unique_id, group.first_replica + k))
+                nccl.groupEnd()
+            except nccl.NcclError as exc:
+                raise CollectiveError(f"NCCL could not join the job's communicator from rank {group.rank} (GPUs "
+                                      f"{list(ordinals)}): {exc}.", operation=operation, status=exc.status) from exc
+            self._groups[ordinals] = comms
+        return comms
+
+
+class MultiProcessCudaBackend(CudaBackend):
+    """CuPy arrays on this rank's GPUs; NCCL collectives span every GPU of every rank of the MPI job."""
+
+    name = "cuda+mpi"
+
+    def __init__(self):
+        super().__init__()
+        _, _, _, local_rank, local_size = mpi_environment() or (None, 0, 1, 0, 1)
+        self._local = local_gpus(len(self.gpus), local_rank, local_size)
+        if local_size > len(self.gpus):  # ranks share a GPU: NCCL tells them apart by host id
+            os.environ.setdefault("NCCL_HOSTID", f"{socket.gethostname()}-{local_rank}")
+        self.group = ProcessGroup(len(self._local))
+        self._comms = JobCommunicators(self.group, self._local)
+
+    def default_devices(self) -> tuple[str, ...]:
+        return tuple(f"GPU:{k}" for k in self._local)
+
+    def _divide(self, arrays: list[Any]) -> list[Any]:
+        count = self.group.num_replicas
+        out = []
+        for array in arrays:
+            with self._on(array.device.id):
+                if array.dtype.kind in "fc":
+                    array /= count
+                    out.append(array)
+                else:  # integer MEAN: SUM, then true division, as TensorFlow does
+                    out.append(array / count)
+        return out
+
+    def execute(self, plan, per_device, devices, *, timeout=None):
+        results = super().execute(dataclasses.replace(plan, mean=False), per_device, devices, timeout=timeout)
+        return [self._divide(values) for values in results] if plan.mean else results
+
+    def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
+        outputs = super().all_reduce(flats, chunks, devices, False, timeout=timeout)
+        return self._divide(outputs) if mean else outputs
+
+    def all_gather(self, flats, devices, *, timeout=None):
+        ordinals = self._flats_on("all_gather", flats, devices)
+        outputs = self._like(flats, ordinals, flats[0].size * self.group.num_replicas)
+        nbytes = flats[0].nbytes
+
+        def launch(rank, comm, stream):
+            comm.allGather(flats[rank].data.ptr, outputs[rank].data.ptr, nbytes, cuda_dtypes.BYTES, stream)
+
+        if nbytes:
+            self._group("all_gather", ordinals, launch, timeout)
+        return outputs
+
+    def reduce_scatter(self, flats, devices, *, timeout=None):
+        # via a whole all-reduce: simple and correct; RING plans across processes are rare
+        n, first = self.group.num_replicas, self.group.first_replica
+        if flats[0].size % n:
+            raise ValueError(f"reduce_scatter needs a length divisible by {n} replicas. Received: {flats[0].size}.")
+        totals = self.all_reduce(flats, ((0, flats[0].size),), devices, False, timeout=timeout)
+        part = flats[0].size // n
+        return [self.copy(total[(first + k) * part:(first + k + 1) * part], device)
+                for k, (total, device) in enumerate(zip(totals, devices))]
+
+    def broadcast(self, array, devices, *, timeout=None):
+        """Rank 0's first GPU's `array` on `devices` of every rank (each passes an array of that shape).
+
+        Every GPU of the job's communicator takes part, whichever `devices` are asked for.
+        """
+        mine = self.default_devices()
+        outputs = [self.copy(array, d) for d in mine]
+        nbytes = outputs[0].nbytes
+
+        def launch(rank, comm, stream):
+            comm.broadcast(outputs[rank].data.ptr, outputs[rank].data.ptr, nbytes, cuda_dtypes.BYTES, 0, stream)
+
+        if nbytes:
+            self._group("broadcast", self._local, launch, timeout)
+        return [outputs[mine.index(d)] for d in devices]
+
+    def __repr__(self) -> str:
+        return f"<MultiProcessCudaBackend rank={self.group.rank} of {self.group.size}, GPUs={self._local}>"

@@ -1,0 +1,153 @@
+"""The CPU emulator across processes: each process sums its replicas in order, then MPI sums the processes.
+
+Bytes move through mpi4py's buffer interface (`Iallreduce`, `Iallgather`, `Ibcast` on NumPy buffers, in place
+where MPI allows), never pickled. The same plans and packing as one process run here: each buffer is packed per
+replica, summed over this process's replicas in replica order, and every chunk is one MPI call, all of a
+plan's calls in flight at once. Float results equal one process's up to rounding (the sum is grouped by
+process); integer results are exact. float16 and bfloat16, which MPI has no type for, travel as float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from distrib.backends.cpu import CpuBackend, _shared as shared_views
+from distrib.backends.packed import FLOAT_PREFIXES
+from distrib.backends.process_group import ProcessGroup
+from distrib.errors import BackendUnavailableError
+from distrib.plan import NCCL, AllReducePlan
+
+# dtype name -> (mpi4py datatype name, reduction op name); the others travel as float32
+_MPI_TYPES = {
+    "float32": ("FLOAT", "SUM"), "float64": ("DOUBLE", "SUM"),
+    "complex64": ("C_FLOAT_COMPLEX", "SUM"), "complex128": ("C_DOUBLE_COMPLEX", "SUM"),
+    "int8": ("INT8_T", "SUM"), "int16": ("INT16_T", "SUM"), "int32": ("INT32_T", "SUM"), "int64": ("INT64_T", "SUM"),
+    "uint8": ("UINT8_T", "SUM"), "uint16": ("UINT16_T", "SUM"), "uint32": ("UINT32_T", "SUM"),
+    "uint64": ("UINT64_T", "SUM"), "bool": ("C_BOOL", "LOR"),  # NumPy's bool sum is a logical or
+}
+
+
+class MpiBackend(CpuBackend):
+    """NumPy arrays on this process's emulated devices; collectives span every replica of every MPI rank.
+
+    Devices are this process's replicas, 'CPU:0'..'CPU:n-1' ($DISTRIB_CPU_REPLICAS, default 2); the group's
+    `first_replica` is the global id of 'CPU:0'. Creating one joins the MPI job (every rank must).
+
+    Args:
+      num_local_replicas: this process's replicas (default: $DISTRIB_CPU_REPLICAS, else 2).
+    """
+
+    name = "mpi"
+
+    def __init__(self, num_local_replicas: int | None = None):
+        super().__init__(num_local_replicas)
+        self.group = ProcessGroup(len(self.default_devices()))
+
+    def _buffer(self, array: np.ndarray) -> tuple[np.ndarray, list]:
+        """The array as MPI sends it (float16/bfloat16 as float32), and its [buffer, datatype] spec."""
+        mpi_type, _ = _MPI_TYPES.get(array.dtype.name, ("FLOAT", "SUM"))
+        wire = array if array.dtype.name in _MPI_TYPES else array.astype(np.float32)
+        return wire, [wire, getattr(self.group.MPI, mpi_type)]
+
+    def _op(self, dtype: np.dtype) -> Any:
+        return getattr(self.group.MPI, _MPI_TYPES.get(dtype.name, ("FLOAT", "SUM"))[1])
+
+    def _local_sum(self, flats: Sequence[np.ndarray]) -> np.ndarray:
+        """A new writable buffer: this process's replicas summed in replica order."""
+        total = self._pool.empty(flats[0].shape, flats[0].dtype)
+        if len(flats) == 1:
+            np.copyto(total, flats[0])
+        else:
+            np.add(flats[0], flats[1], out=total)
+            for flat in flats[2:]:
+                np.add(total, flat, out=total)
+        return total
+
+    def _sum_across(self, totals: Sequence[np.ndarray], chunks: Sequence[Sequence[tuple[int, int]]], what: str,
+                    timeout: float | None) -> None:
+        """Sums every process's `totals` in place, one MPI call per chunk, all calls in flight together."""
+        MPI, comm = self.group.MPI, self.group.comm
+        wires = [self._buffer(total) for total in totals]
+
+        def start():
+            return [comm.Iallreduce(MPI.IN_PLACE, [wire[a:b], spec[1]], self._op(total.dtype))
+                    for (wire, spec), total, bounds in zip(wires, totals, chunks) for a, b in bounds]
+
+        self.group.run(what, start, timeout)
+        for (wire, _), total in zip(wires, totals):
+            if wire is not total:
+                np.copyto(total, wire, casting="unsafe")
+
+    def execute(self, plan: AllReducePlan, per_device, devices, *, timeout=None):
+        self._refuse_nccl(plan, devices)
+        count = self.group.num_replicas
+        buffers = plan.packing.buffers
+        totals = [self._local_sum([self.pack([values[m.index] for m in buffer.members], buffer, device)
+                                   for values, device in zip(per_device, devices)]) for buffer in buffers]
+        self._sum_across(totals, [b.chunks for b in buffers], "all_reduce", timeout)
+        results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
+        for buffer, total in zip(buffers, totals):
+            float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
+            if float_mean:
+                np.true_divide(total, count, out=total)
+            for out, flat in zip(results, shared_views(total, len(devices))):
+                arrays = self.unpack(flat, buffer)
+                if plan.mean and not float_mean:  # integer MEAN: SUM, then true division, as TensorFlow does
+                    arrays = [np.asarray(a / count) for a in arrays]
+                for member, array in zip(buffer.members, arrays):
+                    out[member.index] = array
+        return results
+
+    def _refuse_nccl(self, plan: AllReducePlan, devices) -> None:
+        if plan.method == NCCL:
+            raise BackendUnavailableError(
+                f"CommunicationImplementation.NCCL needs NCCL between GPUs, but this job runs on the CPU emulator "
+                f"over MPI. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices.")
+
+    def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
+        total = self._local_sum(flats)
+        self._sum_across([total], [chunks], "all_reduce", timeout)
+        if mean:
+            np.true_divide(total, self.group.num_replicas, out=total)
+        return shared_views(total, len(devices))
+
+    def all_gather(self, flats, devices, *, timeout=None):
+        """Every replica's flat array (all of one length), of every process, in global replica order."""
+        MPI, group = self.group.MPI, self.group
+        local = self._pool.empty((sum(f.size for f in flats),), flats[0].dtype)
+        np.concatenate(flats, out=local)
+        per_replica = flats[0].size
+        gathered = self._pool.empty((per_replica * group.num_replicas,), local.dtype)
+        counts = [per_replica * n for n in group.replica_counts]
+        mpi_type = self._buffer(local)[1][1] if local.dtype.name in _MPI_TYPES else MPI.BYTE
+        if mpi_type is MPI.BYTE:  # no MPI type (float16, bfloat16): gather the bytes
+            counts = [c * local.itemsize for c in counts]
+        displacements = np.cumsum([0] + counts[:-1]).tolist()
+        group.run("all_gather", lambda: [group.comm.Iallgatherv(
+            [local, mpi_type], [gathered, (counts, displacements), mpi_type])], timeout)
+        return shared_views(gathered, len(devices))
+
+    def reduce_scatter(self, flats, devices, *, timeout=None):
+        """Local replica i gets global slice `first_replica + i` of the sum over every replica."""
+        n = self.group.num_replicas
+        if flats[0].size % n:
+            raise ValueError(f"reduce_scatter needs a length divisible by {n} replicas. Received: {flats[0].size}.")
+        total = self._local_sum(flats)
+        self._sum_across([total], [((0, total.size),)], "reduce_scatter", timeout)
+        part, first = total.size // n, self.group.first_replica
+        return [self.copy(total[(first + i) * part:(first + i + 1) * part], d) for i, d in enumerate(devices)]
+
+    def broadcast(self, array, devices, *, timeout=None):
+        """Rank 0's `array` on every device of every process (each rank passes an array of the same shape)."""
+        group = self.group
+        out = self.copy(array, devices[0])
+        wire, spec = self._buffer(out)
+        group.run("broadcast", lambda: [group.comm.Ibcast(spec, root=0)], timeout)
+        if wire is not out:
+            np.copyto(out, wire, casting="unsafe")
+        return shared_views(out, len(devices))
+
+    def __repr__(self) -> str:
+        return f"<MpiBackend rank={self.group.rank} of {self.group.size}, replicas={self.group.replica_counts}>"

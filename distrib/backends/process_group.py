@@ -1,0 +1,196 @@
+"""The processes of an MPI job as one group: bootstrap over mpi4py, waits bounded by a timeout, failed ranks named.
+
+Every collective across processes is non-blocking and polled, so a rank that died or stalled cannot hang the
+others: past the timeout, the ranks that never announced the collective are named in a DeadlineExceededError.
+Each collective is announced to every peer by a tiny message on a communicator of its own, which is how a
+waiting rank knows who is missing. When `mpirun` tears a job down because a rank died, the survivors receive
+SIGTERM; it becomes a WorkerFailedError naming the ranks (on this host) that are gone. After either fault the
+group is broken: later collectives raise at once, and the process aborts the MPI job when it exits instead of
+waiting in MPI_Finalize for a peer that will never come.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from distrib.errors import BackendUnavailableError, DeadlineExceededError, WorkerFailedError
+
+_ANNOUNCE_TAG = 17
+_SPIN_SECONDS = 0.002  # poll without sleeping this long: a small collective completes well within it
+_GROUPS: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+
+
+def import_mpi() -> Any:
+    """mpi4py's MPI module (which initialises MPI), or BackendUnavailableError saying what to install."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BackendUnavailableError(f"Multi-worker strategies need mpi4py and an MPI library: pip install "
+                                      f"'distrib[mpi]' (and e.g. apt-get install openmpi-bin libopenmpi-dev). "
+                                      f"Received: {exc}.") from exc
+    return MPI
+
+
+class ProcessGroup:
+    """This process's place among the ranks of the MPI job, and their replicas.
+
+    Args:
+      num_local_replicas: replicas this process drives; every rank says how many it has.
+    """
+
+    def __init__(self, num_local_replicas: int):
+        MPI = self.MPI = import_mpi()
+        self.comm = MPI.COMM_WORLD.Dup()
+        self._announcements = MPI.COMM_WORLD.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        # small Python objects, once: where every rank runs and how many replicas it drives
+        peers = self.comm.allgather((socket.gethostname(), os.getpid(), int(num_local_replicas)))
+        self.hosts, self.pids, self.replica_counts = (tuple(column) for column in zip(*peers))
+        self.first_replica = sum(self.replica_counts[:self.rank])
+        self.num_replicas = sum(self.replica_counts)
+        self.broken: BaseException | None = None
+        self._sequence = 0
+        self._seen = [0] * self.size
+        self._sends: list[tuple[Any, np.ndarray]] = []
+        self._lock = threading.Lock()
+        _GROUPS.add(self)
+        _install_handlers()
+
+    # -- collectives -----------------------------------------------------------------------------------
+
+    def run(self, what: str, start: Any, timeout: float | None) -> None:
+        """Announces collective `what` to the peers, starts it (`start()` returns MPI requests), waits for it."""
+        with self._lock:
+            self._check_usable(what)
+            self._sequence += 1
+            self._announce()
+            requests = start()
+            self._wait(requests, what, timeout)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Returns once every rank has reached the barrier; raises like any collective otherwise."""
+        self.run("barrier", lambda: [self.comm.Ibarrier()], timeout)
+
+    def _check_usable(self, what: str) -> None:
+        if self.broken is not None:
+            raise WorkerFailedError(f"{what} cannot run: this MPI job already failed. {self.broken}",
+                                    ranks=getattr(self.broken, "ranks", getattr(self.broken, "missing_ranks", ())))
+
+    def _announce(self) -> None:
+        stamp = np.array([self._sequence], np.int64)
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._sends.append((self._announcements.Isend(stamp, dest=peer, tag=_ANNOUNCE_TAG), stamp))
+
+    def _collect_announcements(self) -> None:
+        MPI, status, stamp = self.MPI, self.MPI.Status(), np.zeros(1, np.int64)
+        while self._announcements.Iprobe(source=MPI.ANY_SOURCE, tag=_ANNOUNCE_TAG, status=status):
+            source = status.Get_source()
+            self._announcements.Recv(stamp, source=source, tag=_ANNOUNCE_TAG)
+            self._seen[source] = max(self._seen[source], int(stamp[0]))
+        if self._sends and self.MPI.Request.Testall([request for request, _ in self._sends]):
+            self._sends.clear()
+
+    def _wait(self, requests: Sequence[Any], what: str, timeout: float | None) -> None:
+        Testall = self.MPI.Request.Testall
+        if Testall(requests):
+            self._collect_announcements()
+            return
+        begin = time.monotonic()
+        limit = timeout if timeout is not None else _default_timeout()
+        while not Testall(requests):
+            waited = time.monotonic() - begin
+            if waited > limit:
+                self._collect_announcements()
+                missing = tuple(r for r in range(self.size) if r != self.rank and self._seen[r] < self._sequence)
+                self.broken = DeadlineExceededError(
+                    f"{what} across processes timed out after {limit:g} s: {self.describe(missing) or 'no rank'} "
+                    f"never reached it (collective #{self._sequence} of this job). A rank "
+                    f"that stalls, crashes or skips a collective stops the job; raise "
+                    f"CommunicationOptions(timeout_seconds=...) if the work is just slow. Restart the job; `--resume` "
+                    f"continues from the last checkpoint.",
+                    operation=what, missing_ranks=missing, missing_replicas=self.replicas_of(missing))
+                raise self.broken
+            if waited > _SPIN_SECONDS:
+                time.sleep(0.0002)
+        self._collect_announcements()
+
+    # -- naming ----------------------------------------------------------------------------------------
+
+    def replicas_of(self, ranks: Sequence[int]) -> tuple[int, ...]:
+        """The global replica ids the given ranks drive."""
+        firsts = np.cumsum((0,) + self.replica_counts)
+        return tuple(i for r in ranks for i in range(firsts[r], firsts[r] + self.replica_counts[r]))
+
+    def describe(self, ranks: Sequence[int]) -> str:
+        """'rank 1 (pid 4242 on node7)', for each rank."""
+        return ", ".join(f"rank {r} (pid {self.pids[r]} on {self.hosts[r]})" for r in ranks)
+
+    def dead_local_ranks(self) -> tuple[int, ...]:
+        """Ranks on this host whose process no longer exists."""
+        here = socket.gethostname()
+        return tuple(r for r in range(self.size) if r != self.rank and self.hosts[r] == here
+                     and not _alive(self.pids[r]))
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroup rank={self.rank} size={self.size} replicas={self.replica_counts}>"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _default_timeout() -> float:
+    from distrib.options import default_timeout
+
+    return default_timeout()
+
+
+_INSTALLED: list[bool] = []
+
+
+def _install_handlers() -> None:
+    """SIGTERM (mpirun ending the job) becomes a WorkerFailedError; a broken job aborts instead of hanging at exit."""
+    if _INSTALLED:
+        return
+    _INSTALLED.append(True)
+    atexit.register(_abort_if_broken)  # registered after mpi4py's finalizer, so it runs before it
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _on_terminate)
+
+
+def _on_terminate(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process as usual
+    for group in list(_GROUPS):
+        dead = group.dead_local_ranks()
+        who = f"{group.describe(dead)} died" if dead else ("another rank failed (it raised an error, was killed, "
+                                                           "or runs on another host)")
+        group.broken = WorkerFailedError(f"{who}, and the MPI launcher is ending the job (SIGTERM to rank "
+                                         f"{group.rank}). Restart the job; `--resume` continues from the last "
+                                         f"checkpoint.", ranks=dead)
+        raise group.broken
+    raise SystemExit(128 + signum)
+
+
+def _abort_if_broken() -> None:
+    for group in list(_GROUPS):
+        if group.broken is not None:
+            sys.stderr.flush()
+            group.comm.Abort(1)  # MPI_Finalize would wait forever for the failed rank

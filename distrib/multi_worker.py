@@ -1,0 +1,142 @@
+"""MultiWorkerMirroredStrategy: MirroredStrategy over the processes of an MPI job, every replica in one sync group.
+
+Each process (launched by `mpirun` or `srun`) drives its own replicas with the replica threads of
+MirroredStrategy; every collective spans every replica of every process: on GPUs one NCCL communicator over
+every GPU of every process, on the CPU emulator the same plans over MPI. Reductions to one device become
+all-reduces (CollectiveAllReduce), as in TensorFlow, since the other processes' values are not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from distrib.backends import get_multi_process_backend
+from distrib.cluster_resolver import ClusterResolver, MPIClusterResolver
+from distrib.cross_device_ops import CollectiveAllReduce
+from distrib.input.contexts import InputWorkers
+from distrib.mirrored import MirroredExtended
+from distrib.options import CommunicationOptions, ReduceOp
+from distrib.strategy import Strategy
+from distrib.values import local_components, map_structure
+
+
+class MultiWorkerExtended(MirroredExtended):
+    """StrategyExtended of MultiWorkerMirroredStrategy: this process's replicas, collectives over all processes."""
+
+    def __init__(self, container_strategy: Strategy, backend: Any, communication_options: CommunicationOptions):
+        self._group = backend.group
+        self._first_local_replica = self._group.first_replica
+        super().__init__(container_strategy, backend, backend.default_devices(), CollectiveAllReduce(),
+                         communication_options)
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes checkpoints: only the chief (rank 0) does."""
+        return self._group.rank == 0
+
+    def _barrier(self, what: str) -> None:
+        self._group.run(what, lambda: [self._group.comm.Ibarrier()], self._options.timeout)
+
+    def _count_everywhere(self, count: int) -> int:
+        parts = [np.int64(count)] + [np.int64(0)] * (len(self._devices) - 1)
+        total = self._cross_device_ops.reduce_to(self._backend, ReduceOp.SUM, parts, self._devices, ("host",))[0]
+        return int(total)
+
+    def _create_variable(self, initial_value: Any, *args: Any, **kwargs: Any) -> Any:
+        """As MirroredStrategy's, every process starting from the chief's initial value (TensorFlow broadcasts it
+        too, so that workers seeded differently still train one model)."""
+        if callable(initial_value):
+            initial_value = initial_value()
+        return super()._create_variable(self._first_replica_value(initial_value), *args, **kwargs)
+
+    def _first_replica_value(self, value: Any) -> Any:
+        array = self._backend.to_device(value, self._devices[0])
+        return self._backend.broadcast(array, self._devices[:1], timeout=self._options.timeout)[0]
+
+    def _input_workers(self) -> InputWorkers:
+        group = self._group
+
+        def any_worker_has_data(local: bool) -> bool:  # every worker stops on the same step
+            flags = [np.int64(local)] + [np.int64(0)] * (len(self._devices) - 1)
+            return bool(self._cross_device_ops.reduce_to(self._backend, ReduceOp.SUM, flags, self._devices,
+                                                         ("host",))[0])
+
+        return InputWorkers(self._backend, self._devices, group.size, group.rank, any_worker_has_data)
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism over several processes (and machines): MirroredStrategy's API, every
+    replica of every process in one sync group.
+
+    Launch one process per host (or per GPU) with `mpirun -np N python train.py` or `srun`; every process runs
+    the same program. `num_replicas_in_sync` counts every process's replicas; `experimental_local_results`
+    returns this process's. On GPUs each process drives its share of the host's GPUs; on the CPU emulator it
+    drives `$DISTRIB_CPU_REPLICAS` (default 2) emulated replicas. The chief (rank 0) writes checkpoints.
+
+    Args:
+      cluster_resolver: where this process sits in the job; default `MPIClusterResolver()` (the launcher's
+        environment). A `TFConfigClusterResolver` or `SlurmClusterResolver` is accepted when its task count
+        matches the MPI job's.
+      communication_options: default `CommunicationOptions` for every collective (its timeout bounds how long
+        a rank waits for a failed or stalled peer).
+
+    Example:
+      >>> import distrib, numpy as np
+      >>> strategy = distrib.MultiWorkerMirroredStrategy()   # a plain `python` run: one worker
+      >>> out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1)))
+      >>> float(strategy.reduce("SUM", out, axis=None)) == strategy.num_replicas_in_sync ** 2
+      True
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None,
+                 communication_options: CommunicationOptions | None = None):
+        if cluster_resolver is None:
+            cluster_resolver = MPIClusterResolver()
+        elif not isinstance(cluster_resolver, ClusterResolver):
+            raise TypeError(f"cluster_resolver must be a distrib cluster resolver such as MPIClusterResolver(). "
+                            f"Received: {type(cluster_resolver).__name__}.")
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        elif not isinstance(communication_options, CommunicationOptions):
+            raise TypeError(f"communication_options must be a CommunicationOptions. Received: "
+                            f"{type(communication_options).__name__}.")
+        backend = get_multi_process_backend()
+        group = backend.group
+        tasks = sum(len(t) for job, t in cluster_resolver.cluster_spec().items() if job in ("chief", "worker"))
+        if tasks not in (0, group.size):
+            raise ValueError(f"The cluster resolver must describe the MPI job's {group.size} processes. Received: "
+                             f"{tasks} chief and worker tasks in {cluster_resolver!r}.")
+        self._cluster_resolver = cluster_resolver
+        super().__init__(MultiWorkerExtended(self, backend, communication_options))
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas are kept in sync: every replica of every process."""
+        return self._extended._group.num_replicas
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates every replica's component of every process along `axis` into one host NumPy array."""
+        self._extended._require_cross_replica("Strategy.gather", hint="inside a replica function use "
+                                              "distrib.get_replica_context().all_gather(value, axis)")
+        extended = self._extended
+
+        def gather_leaf(leaf):
+            components = [extended.backend.to_device(c, d) for c, d in
+                          zip(local_components(leaf) or (leaf,) * len(extended.worker_devices),
+                              extended.worker_devices)]
+            (gathered,) = extended._batch_all_gather([[c] for c in components], axis, extended._options)[0]
+            return extended.backend.to_host(gathered)
+
+        return map_structure(gather_leaf, value)
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """Where this process sits in the job: `task_type`, `task_id`, `cluster_spec()`, `num_accelerators()`."""
+        return self._cluster_resolver
+
+    def __repr__(self) -> str:
+        group = self._extended._group
+        return (f"<MultiWorkerMirroredStrategy rank={group.rank} of {group.size}, "
+                f"devices={self._extended.worker_devices}, replicas={self.num_replicas_in_sync}>")

@@ -1,0 +1,122 @@
+"""Run under `mpirun -np 2` with 2 emulated replicas per process: API checks, conformance, training, checkpoint.
+
+Rank 0 writes what it saw to the JSON file named by argv[1]; tests/test_multi_worker.py reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+import distrib
+from distrib.values import flatten, map_structure
+
+sys.path[:0] = [str(pathlib.Path(__file__).parent), str(pathlib.Path(__file__).parents[1])]
+import training  # noqa: E402
+from test_conformance import CASES, CONFORMANCE, _error_matches, assert_matches  # noqa: E402
+
+comm = MPI.COMM_WORLD
+strategy = distrib.MultiWorkerMirroredStrategy()
+report: dict = {"repr": repr(strategy), "num_replicas_in_sync": strategy.num_replicas_in_sync}
+
+
+def everywhere(values):
+    """This rank's local results joined with every other rank's, in rank order (the test's view, not the API's)."""
+    return [v for part in comm.allgather(list(values)) for v in part]
+
+
+# -- the API across processes ----------------------------------------------------------------------------------
+def step():
+    ctx = distrib.get_replica_context()
+    rid = ctx.replica_id_in_sync_group
+    return {"id": rid, "sum": ctx.all_reduce("SUM", np.float32(rid + 1)),
+            "mean_int": ctx.all_reduce("MEAN", np.arange(3) + rid),
+            "gathered": ctx.all_gather(np.full((rid + 1, 2), rid, np.float32), axis=0),
+            "merged": ctx.merge_call(lambda s, v: s.reduce("SUM", v, axis=None), args=(np.float32(rid),))}
+
+
+out = strategy.run(step)
+report["ids"] = everywhere(strategy.experimental_local_results(out["id"]))
+report["local_results"] = len(strategy.experimental_local_results(out["sum"]))
+report["sum"] = everywhere(strategy.experimental_local_results(out["sum"]))
+report["mean_int"] = everywhere(strategy.experimental_local_results(out["mean_int"]))
+report["gathered_rows"] = [g.shape[0] for g in everywhere(strategy.experimental_local_results(out["gathered"]))]
+report["merged"] = everywhere(strategy.experimental_local_results(out["merged"]))
+values = strategy.experimental_distribute_values_from_function(
+    lambda ctx: np.full((2, 2), ctx.replica_id_in_sync_group, np.float32))
+report["reduce_mean_axis0"] = strategy.reduce("MEAN", values, axis=0)
+report["gather"] = strategy.gather(values, axis=0)
+dataset = [np.arange(14, dtype=np.float32).reshape(7, 2)]
+report["batch_rows"] = everywhere([len(b) for b in strategy.experimental_local_results(
+    next(iter(strategy.experimental_distribute_dataset(dataset))))])
+off = distrib.InputOptions(auto_shard_policy=distrib.AutoShardPolicy.OFF)
+report["batch_rows_off"] = everywhere([len(b) for b in strategy.experimental_local_results(
+    next(iter(strategy.experimental_distribute_dataset(dataset, off))))])
+report["resolver"] = [strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id,
+                      strategy.cluster_resolver.cluster_spec()]
+
+# -- training 2 processes x 2 replicas, checkpointed halfway by the chief ---------------------------------------
+w, b, optimizer = training.build(strategy, seed=comm.rank)
+half = training.STEPS // 2
+losses = training.train(strategy, w, b, optimizer, training.batches(half))
+checkpoint = distrib.Checkpoint(w=w, b=b, optimizer=optimizer, step=half)
+checkpoint.save(sys.argv[2])
+losses += training.train(strategy, w, b, optimizer, training.batches(training.STEPS - half, first=half))
+report["losses"], report["w"], report["b"] = losses, w.numpy().tolist(), float(b.numpy())
+
+
+# -- the conformance programs, their MirroredStrategy(4 CPUs) replaced by 2 processes x 2 replicas -------------
+class OnAllWorkers:
+    """A `distrib` whose MirroredStrategy of 4 emulated devices is this job's strategy; local results are gathered
+    from every process so that the case sees what one process with 4 replicas returns."""
+
+    def __getattr__(self, name):
+        return getattr(distrib, name)
+
+    def MirroredStrategy(self, devices=None, **kwargs):
+        if list(devices or []) != ["CPU:0", "CPU:1", "CPU:2", "CPU:3"] or kwargs:
+            raise NotImplementedError("this case builds another strategy than 4 emulated replicas")
+        job = distrib.MultiWorkerMirroredStrategy()
+
+        def local_results_of_every_process(value):
+            local = distrib.MultiWorkerMirroredStrategy.experimental_local_results(job, value)
+            if not any(isinstance(leaf, (distrib.DistributedValues, distrib.DistributedVariable))
+                       for leaf in flatten(value)[0]):
+                return local  # a plain value: one result, as in one process
+            return tuple(everywhere(map_structure(lambda leaf: np.asarray(leaf.numpy() if hasattr(leaf, "numpy")
+                                                                          else leaf), list(local))))
+
+        job.experimental_local_results = local_results_of_every_process
+        return job
+
+
+conformance = {}
+for path in CASES:
+    expected = json.loads((CONFORMANCE / "expected" / f"{path.stem}.json").read_text())["result"]
+    spec = importlib.util.spec_from_file_location(f"case_{path.stem}", path)
+    case = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(case)
+    try:
+        result = case.run_distrib(OnAllWorkers(), np)
+    except NotImplementedError as exc:
+        conformance[path.stem] = f"skipped: {exc}"
+        continue
+    except Exception as exc:  # noqa: BLE001 - compared with TensorFlow's error below
+        ok = isinstance(expected, dict) and "error" in expected and _error_matches(exc, expected)
+        conformance[path.stem] = "ok" if ok else f"raised {type(exc).__name__}: {exc}"
+        continue
+    try:
+        assert_matches(result, expected)
+        conformance[path.stem] = "ok"
+    except AssertionError as exc:
+        conformance[path.stem] = f"differs: {exc}"
+report["conformance"] = conformance
+
+if comm.rank == 0:
+    pathlib.Path(sys.argv[1]).write_text(json.dumps(report, default=lambda a: np.asarray(a).tolist()))

@@ -1,0 +1,112 @@
+"""MultiWorkerMirroredStrategy under `mpirun -np 2` on this machine: 2 processes x 2 emulated replicas behave as
+one process with 4 (the API, the conformance programs, training and its checkpoint), and a rank that dies or
+stalls gives the other a typed error naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import distrib
+
+HERE = pathlib.Path(__file__).parent / "multi_worker"
+sys.path.insert(0, str(HERE))
+import training  # noqa: E402
+
+MPIRUN = shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin "
+                                                       "libopenmpi-dev; .ci/run installs it)")
+# Documented differences from one process, not failures: see README's multi-worker section.
+BY_DESIGN = {"datasets_from_function": "each worker runs its own input pipeline (num_input_pipelines=2)"}
+
+
+def mpirun(program: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    return subprocess.run([MPIRUN, "-np", "2", sys.executable, str(HERE / program), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("job")
+    done = mpirun("job.py", str(folder / "report.json"), str(folder / "half.ckpt"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads((folder / "report.json").read_text()), folder / "half.ckpt"
+
+
+def test_every_replica_of_every_process_is_in_one_sync_group(job):
+    report, _ = job
+    assert report["repr"] == "<MultiWorkerMirroredStrategy rank=0 of 2, devices=('CPU:0', 'CPU:1'), replicas=4>"
+    assert report["num_replicas_in_sync"] == 4 and report["local_results"] == 2
+    assert report["ids"] == [0, 1, 2, 3]
+    assert report["sum"] == [10.0] * 4  # 1 + 2 + 3 + 4
+    assert report["mean_int"] == [[1.5, 2.5, 3.5]] * 4
+    assert report["gathered_rows"] == [10] * 4  # 1 + 2 + 3 + 4 rows, of ragged lengths
+    assert report["merged"] == [6.0, 6.0]  # merge_fn's reduce spans the processes too
+    assert report["resolver"] == ["worker", 0, {"worker": ["mpi:0", "mpi:1"]}]
+
+
+def test_reduce_gather_and_input_split_as_one_process_with_four_replicas(job):
+    report, _ = job
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full((2, 2), ctx.replica_id_in_sync_group, np.float32))
+    np.testing.assert_array_equal(report["reduce_mean_axis0"], strategy.reduce("MEAN", values, axis=0))
+    np.testing.assert_array_equal(report["gather"], strategy.gather(values, axis=0))
+    batch = next(iter(strategy.experimental_distribute_dataset([np.zeros((7, 2))])))
+    assert report["batch_rows"] == [len(b) for b in strategy.experimental_local_results(batch)] == [2, 2, 2, 1]
+    assert report["batch_rows_off"] == [4, 3, 4, 3]  # AutoShardPolicy.OFF: each worker splits every batch itself
+
+
+def test_conformance_programs_give_one_processs_results(job):
+    report, _ = job
+    outcomes = report["conformance"]
+    ran = {name: outcome for name, outcome in outcomes.items() if not outcome.startswith("skipped")}
+    assert len(ran) >= 25, outcomes
+    wrong = {name: outcome for name, outcome in ran.items() if outcome != "ok" and name not in BY_DESIGN}
+    assert not wrong, wrong
+
+
+def test_two_processes_train_to_the_weights_of_one_process_with_four_replicas(job):
+    report, _ = job
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+    w, b, optimizer = training.build(strategy, seed=0)
+    losses = training.train(strategy, w, b, optimizer, training.batches())
+    # the same rows and updates; sums are grouped by process, so floats agree to rounding
+    np.testing.assert_allclose(report["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(report["w"], w.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(report["b"], b.numpy(), rtol=1e-5)
+
+
+def test_the_chiefs_checkpoint_resumes_in_one_process(job):
+    report, checkpoint = job
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+    w, b, optimizer = training.build(strategy, seed=123)
+    metadata = distrib.Checkpoint(w=w, b=b, optimizer=optimizer, step=0).restore(checkpoint)
+    done = metadata["step"]
+    training.train(strategy, w, b, optimizer, training.batches(training.STEPS - done, first=done))
+    np.testing.assert_allclose(w.numpy(), report["w"], rtol=1e-5)
+    assert [p.name for p in checkpoint.parent.iterdir()] == ["report.json", "half.ckpt"] or \
+        sorted(p.name for p in checkpoint.parent.iterdir()) == ["half.ckpt", "report.json"]  # no temporary left
+
+
+@pytest.mark.parametrize("fault, error", [("kill", "WorkerFailedError"), ("stall", "DeadlineExceededError")])
+def test_a_failed_rank_gives_the_other_a_typed_error_naming_it(tmp_path, fault, error):
+    done = mpirun("faults.py", fault, str(tmp_path / "error.json"), "2", timeout=60)
+    assert done.returncode != 0  # the job ends, it does not hang
+    report = json.loads((tmp_path / "error.json.0").read_text())
+    assert report["type"] == error
+    assert report["message"].startswith("rank 1 (pid" if fault == "kill" else "all_reduce across processes timed out")
+    assert "rank 1 (pid" in report["message"]
+    assert (report["ranks"] if fault == "kill" else report["missing_ranks"]) == [1]
+    assert report["seconds"] < 2 + 5  # within the timeout (2 s), plus the launcher's reaction
+    later = (tmp_path / "error.json.0.later").read_text()
+    assert later.startswith("all_reduce cannot run: this MPI job already failed.")
