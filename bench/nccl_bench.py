@@ -229,7 +229,7 @@ def all_reduce_rows(args, cupy, nccl, backend, devices, ordinals) -> list[dict]:
         results.append({"bytes": size, "raw_us": raw_us, "raw_in_place_us": in_place_us, "distrib_us": distrib_us,
                         "synchronised_us": latency, "wrong": raw_wrong + in_place_wrong + distrib_wrong})
     names = ["raw", "distrib", *peer_names]
-    print(f"# all_reduce synchronised after every call, host clock, median us per call:\n#       size"
+    print("# all_reduce synchronised after every call, host clock, median us per call:\n#       size"
           + "".join(f"  {name:>{max(10, len(name))}s}" for name in names))
     print("\n".join(latency_lines))
     print(f"# Avg bus bandwidth (distrib, back to back): "
