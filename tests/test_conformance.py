@@ -18,13 +18,10 @@ import distrib
 CONFORMANCE = pathlib.Path(__file__).resolve().parent / "conformance"
 SHARED_CONFORMANCE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "conformance"
 
-# Cases TensorFlow passes and distrib does not yet; strict, so each flips to a failure once it is fixed.
-KNOWN_DIFFERENCES = {
-    "reduce_to_array_destinations": "issue 11: reduce_to refuses an array as destinations",
-    "error_reduce_to_non_distributed_sum": "issue 11: reduce_to refuses an array as destinations (TypeError)",
-    "local_results_plain_structure": "issue 11: experimental_local_results of plain values gives one copy",
-    "scope_object_nested": "issue 11: a strategy.scope() object cannot be entered inside itself",
-    "error_scope_of_another_strategy": "issue 11: another strategy's scope raises ValueError, not RuntimeError",
+# Where distrib differs from TensorFlow on purpose; strict, so each fails if the difference goes away.
+DELIBERATE_DIFFERENCES = {
+    "error_scope_object_reentered": "TensorFlow's scope() object is single-use (AttributeError on re-entry); "
+                                    "distrib's may be entered again",
 }
 
 
@@ -97,7 +94,7 @@ def _error_matches(exc: BaseException, expected: dict) -> bool:
 
 
 def _marked(path: pathlib.Path):
-    reason = KNOWN_DIFFERENCES.get(path.stem)
+    reason = DELIBERATE_DIFFERENCES.get(path.stem)
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
     return pytest.param(path, marks=marks, id=path.stem)
 

@@ -13,11 +13,14 @@ def build(tf) -> types.SimpleNamespace:
     """The namespace a case receives as `distrib`; call it before TensorFlow runs its first operation.
 
     The host CPU is split into 4 logical devices (`/cpu:0` ... `/cpu:3`), and NumPy behaviour is turned on for
-    tensors, so a case may call `.sum()` or `.mean()` on what a variable reads, as it does on distrib's arrays.
+    tensors (with `.sum()` added), so a case may call `.sum()` or `.mean()` on what a variable reads, as it does
+    on distrib's arrays.
     """
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * LOGICAL_CPUS)
     tf.experimental.numpy.experimental_enable_numpy_behavior()
+    if not hasattr(tf.Tensor, "sum"):  # NumPy behaviour gives tensors .mean() but not .sum()
+        tf.Tensor.sum = lambda self, axis=None, keepdims=False: tf.experimental.numpy.sum(self, axis, keepdims=keepdims)
 
     class MirroredStrategy(tf.distribute.MirroredStrategy):
         """tf.distribute.MirroredStrategy over "CPU:i" names that takes datasets as lists of NumPy batches."""
