@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from distrib import context
+from distrib import context, timeline
 from distrib.backends import Backend, cuda_problem, detect, get_backend
 from distrib.backends.parallel import lend
 from distrib.cross_device_ops import CrossDeviceOps, default_cross_device_ops
@@ -132,7 +132,7 @@ class _ReplicaThread:
     def _execute(self, run: _Run) -> None:
         i = self.replica_id
         try:
-            with context.frame(run.strategy, run.contexts[i]):
+            with context.frame(run.strategy, run.contexts[i]), timeline.span("run", "run"):
                 result = run.fn(*run.args[i], **run.kwargs[i])
             run.results[i] = result
             run.report(i, DONE)
@@ -148,13 +148,14 @@ class _ReplicaThread:
         i = self.replica_id
         run.requests[i] = request
         run.merge_counts[i] += 1
-        if not run.report(i, WAITING):
-            raise _RequestedStop()
-        self.go.acquire()
-        while self.task is not None:  # lent to the merge: run a share of its work, then wait again
-            task, self.task = self.task, None
-            task()
+        with timeline.span(request[0], "merge_call"):
+            if not run.report(i, WAITING):
+                raise _RequestedStop()
             self.go.acquire()
+            while self.task is not None:  # lent to the merge: run a share of its work, then wait again
+                task, self.task = self.task, None
+                task()
+                self.go.acquire()
         if run.stopped:
             raise _RequestedStop()
         return run.merge_results[i]
@@ -203,7 +204,8 @@ class MirroredExtended(StrategyExtended):
         with self._run_lock:
             self._running_thread = threading.get_ident()
             try:
-                return self._run(fn, args, kwargs, self._ensure_threads())
+                with timeline.span("run", "run"):
+                    return self._run(fn, args, kwargs, self._ensure_threads())
             finally:
                 self._running_thread = None
 
@@ -266,7 +268,8 @@ class MirroredExtended(StrategyExtended):
                                          f"replica must call them in the same order. Received: {detail}.")
         merge = run.requests[0][1]
         try:
-            with context.frame(self._container_strategy, None), lend(ReplicaTeam(self._threads)):
+            with context.frame(self._container_strategy, None), lend(ReplicaTeam(self._threads)), \
+                    timeline.span(kinds[0], "merge_call"):
                 results = merge([r[2] for r in run.requests])
         except BaseException as exc:
             run.fail(None, exc)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from distrib import context
+from distrib import context, timeline
 from distrib.backends import Backend, get_backend
 from distrib.cross_device_ops import NcclAllReduce
 from distrib.errors import ContextError
@@ -204,6 +204,23 @@ class Strategy:
             with extended.backend.device_scope(device):
                 results.append(value_fn(ValueContext(replica_id, count)))
         return regroup(results, PerReplica, always_wrap=True)
+
+    # -- the collective timeline ------------------------------------------------------------------------
+
+    def start_timeline(self, file_path: str) -> None:
+        """Records every run, merge_call, collective, pack and unpack of this process to `file_path`.
+
+        The file is a Chrome trace (JSON) that Perfetto opens, written by `stop_timeline()`; see
+        `distrib.timeline`. `DISTRIB_TIMELINE=trace.json` records a whole program instead.
+
+        Raises:
+          RuntimeError: a timeline is already recording.
+        """
+        timeline.start(file_path)
+
+    def stop_timeline(self) -> str | None:
+        """Stops the timeline and writes it; returns the file's path (None if none was recording)."""
+        return timeline.stop()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} devices={self._extended.worker_devices}>"

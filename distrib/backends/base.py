@@ -8,7 +8,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from distrib import timeline
 from distrib.plan import AllReducePlan, Buffer
+
+# The methods every backend's timeline shows (distrib/timeline.py), and their event category.
+TIMED = {"all_reduce": "collective", "all_gather": "collective", "reduce_scatter": "collective",
+         "broadcast": "collective", "pack": "pack", "unpack": "pack", "execute": "plan"}
 
 
 class Backend(abc.ABC):
@@ -21,6 +26,12 @@ class Backend(abc.ABC):
     """
 
     name: str = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for method, category in TIMED.items():  # a None check per call while no timeline records
+            if method in cls.__dict__:
+                setattr(cls, method, timeline.timed(cls.__dict__[method], method, category))
 
     @property
     @abc.abstractmethod

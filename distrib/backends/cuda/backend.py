@@ -10,6 +10,7 @@ from typing import Any, Iterator, Sequence
 import cupy
 import numpy as np
 
+from distrib import timeline
 from distrib.backends.base import Backend
 from distrib.backends.cuda import devices as cuda_devices
 from distrib.backends.cuda import errors as cuda_errors
@@ -72,6 +73,8 @@ class CudaBackend(NcclCollectives, Backend):
         self._nccl_version: int | None = None
         self._side_streams: dict[int, cupy.cuda.Stream] = {}  # host-to-device input copies
         self._stager = Stager()  # pinned buffers and threads for input copies
+        if cupy.cuda.nvtx.available:  # timeline spans become NVTX ranges, so Nsight shows the same names
+            timeline.use_nvtx(cupy.cuda.nvtx.RangePush, cupy.cuda.nvtx.RangePop)
 
     @property
     def xp(self):

@@ -1,0 +1,229 @@
+"""The collective timeline: runs, merge_calls, collectives, packs and unpacks as Chrome trace events.
+
+`DISTRIB_TIMELINE=trace.json` records from the first import of distrib until the process exits;
+`Strategy.start_timeline(path)` / `stop_timeline()` (or `distrib.timeline.start` / `stop`) record a stretch of
+a program. The file is Chrome's trace event format, which Perfetto (ui.perfetto.dev) and chrome://tracing open:
+one track per replica thread, one per device, and one for the thread that calls `Strategy.run`. Where CuPy's
+NVTX is available (the CUDA backend registers it) every span is also an NVTX range of the same name, so
+Nsight Systems shows the same names beside the GPU's kernels. On CUDA the spans are host-side: a collective's
+span ends when it is queued, not when the GPU finishes it.
+
+This module imports nothing from distrib, so every layer may call it. When no timeline is recording, a hook
+costs one module-attribute read and a comparison with None.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+ENV = "DISTRIB_TIMELINE"
+
+recording: "Timeline | None" = None  # the timeline hooks write to; None when off (read on every hook)
+_nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None = None
+_lock = threading.Lock()
+
+
+class Timeline:
+    """Spans recorded in memory as Chrome trace events, written as JSON by `write()`.
+
+    Args:
+      path: where `write()` puts the trace (a `.json` file).
+
+    Example:
+      >>> import distrib, numpy as np, tempfile, os, json
+      >>> path = os.path.join(tempfile.mkdtemp(), "trace.json")
+      >>> strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+      >>> strategy.start_timeline(path)
+      >>> _ = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(4, np.float32)))
+      >>> strategy.stop_timeline() == path
+      True
+      >>> sorted({e["name"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"})
+      ['all_reduce', 'pack', 'run', 'unpack']
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._events: list[dict] = []  # list.append is atomic: hooks on any thread append without a lock
+        self._tracks: dict[str, int] = {}
+        self._origin = time.perf_counter_ns()
+        self._pid = os.getpid()
+
+    def __repr__(self) -> str:
+        return f"<Timeline path={self.path!r} events={len(self._events)}>"
+
+    def _tid(self, track: str) -> int:
+        tid = self._tracks.get(track)
+        if tid is None:
+            with _lock:
+                tid = self._tracks.setdefault(track, len(self._tracks) + 1)
+        return tid
+
+    def add(self, name: str, category: str, start_ns: int, end_ns: int, tracks: Iterable[str],
+            args: dict | None = None) -> None:
+        """One complete event ("ph": "X") per track, from `start_ns` to `end_ns` (time.perf_counter_ns)."""
+        ts = (start_ns - self._origin) / 1e3
+        dur = (end_ns - start_ns) / 1e3
+        for track in tracks:
+            event = {"name": name, "cat": category, "ph": "X", "ts": ts, "dur": dur, "pid": self._pid,
+                     "tid": self._tid(track)}
+            if args:
+                event["args"] = args
+            self._events.append(event)
+
+    def trace(self) -> dict:
+        """The trace as a JSON-ready dict: the events, then the tracks' names and order."""
+        meta = [{"name": "process_name", "ph": "M", "pid": self._pid, "args": {"name": "distrib"}}]
+        for track, tid in sorted(self._tracks.items(), key=lambda item: item[1]):
+            meta.append({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid, "args": {"name": track}})
+            meta.append({"name": "thread_sort_index", "ph": "M", "pid": self._pid, "tid": tid,
+                         "args": {"sort_index": _sort_key(track)}})
+        return {"traceEvents": list(self._events) + meta, "displayTimeUnit": "ms"}
+
+    def write(self) -> str:
+        """Writes the trace to `path` (through a temporary file, so a reader never sees half of it)."""
+        target = Path(self.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_name(target.name + ".tmp")
+        temporary.write_text(json.dumps(self.trace()))
+        os.replace(temporary, target)
+        return self.path
+
+
+def _sort_key(track: str) -> int:
+    """The caller's track first, then the replicas, then the devices, each in numeric order."""
+    if track.startswith("replica "):
+        return 100 + int(track.split()[-1])
+    index = track.partition(":")[2]
+    return 1000 + int(index) if index.isdigit() else 0
+
+
+def start(path: str | os.PathLike) -> Timeline:
+    """Starts recording every span of this process into a new timeline written to `path` by `stop()`.
+
+    Raises:
+      RuntimeError: a timeline is already recording.
+    """
+    global recording
+    with _lock:
+        if recording is not None:
+            raise RuntimeError(f"A timeline is already recording to {recording.path!r}; stop it first.")
+        recording = Timeline(path)
+        return recording
+
+
+def stop() -> str | None:
+    """Stops recording and writes the trace; returns its path (None if nothing was recording)."""
+    global recording
+    with _lock:
+        timeline, recording = recording, None
+    return timeline.write() if timeline is not None else None
+
+
+def use_nvtx(push: Callable[[str], Any], pop: Callable[[], Any]) -> None:
+    """Makes every span also an NVTX range (the CUDA backend passes CuPy's RangePush and RangePop)."""
+    global _nvtx
+    _nvtx = (push, pop)
+
+
+def thread_track() -> str:
+    """The calling thread's track: 'replica k' on a replica thread, else the thread's name."""
+    name = threading.current_thread().name
+    return name.replace("distrib-replica-", "replica ") if name.startswith("distrib-replica-") else name
+
+
+class span:
+    """Records the block as one event on `tracks` (default: the calling thread's) while a timeline records.
+
+    Args:
+      name: the event's name ("run", "all_reduce", ...).
+      category: the event's category ("run", "merge_call", "collective", "pack").
+      tracks: track names such as ("replica 0",) or ("GPU:0", "GPU:1").
+
+    Example:
+      >>> from distrib import timeline
+      >>> with timeline.span("load", "input"):
+      ...     pass
+    """
+
+    __slots__ = ("name", "category", "tracks", "start")
+
+    def __init__(self, name: str, category: str, tracks: tuple[str, ...] | None = None):
+        self.name, self.category, self.tracks = name, category, tracks
+
+    def __enter__(self) -> "span":
+        if recording is not None:
+            if _nvtx is not None:
+                _nvtx[0](self.name)
+            self.start = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        timeline = recording
+        if timeline is not None and hasattr(self, "start"):
+            end = time.perf_counter_ns()
+            if _nvtx is not None:
+                _nvtx[1]()
+            timeline.add(self.name, self.category, self.start, end, self.tracks or (thread_track(),))
+
+    def __repr__(self) -> str:
+        return f"<span {self.name!r} category={self.category!r}>"
+
+
+def timed(method: Callable, name: str, category: str) -> Callable:
+    """`method` (a backend method) recorded as an event on the devices it names, when a timeline records.
+
+    The devices come from its `devices` or `device` argument; without one, the event goes on the calling
+    thread's track. The event's args give its bytes: of its first array argument or of its result, the larger.
+    """
+    parameters = list(inspect.signature(method).parameters)
+    where = next((p for p in ("devices", "device") if p in parameters), None)
+    position = parameters.index(where) - 1 if where else None  # minus self
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        timeline = recording
+        if timeline is None:
+            return method(self, *args, **kwargs)
+        if _nvtx is not None:
+            _nvtx[0](name)
+        start_ns = time.perf_counter_ns()
+        result = None
+        try:
+            result = method(self, *args, **kwargs)
+            return result
+        finally:
+            end_ns = time.perf_counter_ns()
+            if _nvtx is not None:
+                _nvtx[1]()
+            devices = kwargs.get(where) if where in kwargs else args[position] if where and position < len(args) \
+                else None
+            tracks = (devices,) if isinstance(devices, str) else tuple(devices) if devices else (thread_track(),)
+            timeline.add(name, category, start_ns, end_ns, tracks, 
+                         {"bytes": max(_nbytes(args[0] if args else None), _nbytes(result))})
+
+    return wrapper
+
+
+def _nbytes(value: Any) -> int:
+    """Bytes of an array, or of the first array of a list of them (0 for anything else)."""
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value and not isinstance(value[0], (list, tuple)) else None
+    return int(getattr(value, "nbytes", 0))
+
+
+def _start_from_environment() -> None:
+    path = os.environ.get(ENV, "").strip()
+    if path and recording is None:
+        start(path)
+        atexit.register(stop)
+
+
+_start_from_environment()

@@ -1,0 +1,103 @@
+"""The collective timeline: Chrome trace events of runs, merge_calls, collectives, packs and unpacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import distrib
+from distrib import timeline
+
+PROGRAM = textwrap.dedent("""
+    import numpy as np, distrib
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
+    def step():
+        ctx = distrib.get_replica_context()
+        a = ctx.all_reduce("SUM", np.ones(8, np.float32))
+        b = ctx.all_gather(np.ones(2, np.float32), axis=0)
+        return a, b
+    for _ in range(4):
+        strategy.run(step)
+""")
+
+
+def complete_events(trace: dict, category: str | None = None) -> list[dict]:
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and category in (None, e["cat"])]
+
+
+def track_names(trace: dict) -> dict[int, str]:
+    return {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+
+
+def test_the_environment_variable_records_a_whole_program(tmp_path):
+    path = tmp_path / "trace.json"
+    subprocess.run([sys.executable, "-c", PROGRAM], check=True, capture_output=True,
+                   env={**os.environ, "DISTRIB_TIMELINE": str(path), "DISTRIB_BACKEND": "cpu"})
+    trace = json.loads(path.read_text())
+    names = track_names(trace)
+    collectives = complete_events(trace, "collective")
+    # 4 runs x (one all_reduce + one all_gather), one event per device each
+    assert sorted((e["name"], names[e["tid"]]) for e in collectives) == sorted(
+        (name, f"CPU:{d}") for name in ("all_reduce", "all_gather") for d in range(3) for _ in range(4))
+    runs = [names[e["tid"]] for e in complete_events(trace, "run")]
+    assert sorted(runs) == sorted(["MainThread"] * 4 + [f"replica {r}" for r in range(3) for _ in range(4)])
+    merges = complete_events(trace, "merge_call")
+    assert {e["name"] for e in merges} == {"all_reduce", "all_gather"}
+    assert len(merges) == 4 * 2 * (3 + 1)  # each collective: one wait per replica, one merge on the caller
+
+
+def test_events_are_chrome_trace_events_nested_in_their_run(tmp_path):
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy.start_timeline(str(tmp_path / "t.json"))
+    try:
+        strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", {"a": np.ones(3), "b": np.ones(2)}))
+    finally:
+        path = strategy.stop_timeline()
+    trace = json.loads(open(path).read())
+    events = complete_events(trace)
+    assert all({"name", "cat", "ph", "ts", "dur", "pid", "tid"} <= set(e) for e in events)
+    (run,) = [e for e in events if e["cat"] == "run" and track_names(trace)[e["tid"]] == "MainThread"]
+    for event in events:
+        assert run["ts"] <= event["ts"] and event["ts"] + event["dur"] <= run["ts"] + run["dur"] + 1e-3
+    packs = [e for e in events if e["name"] == "pack"]
+    assert [e["args"]["bytes"] for e in packs] == [40, 40]  # one packed float64 buffer of 5 values per device
+
+
+def test_start_twice_is_an_error_and_stop_without_start_returns_none(tmp_path):
+    timeline.start(tmp_path / "a.json")
+    try:
+        with pytest.raises(RuntimeError, match="A timeline is already recording"):
+            timeline.start(tmp_path / "b.json")
+    finally:
+        assert timeline.stop() == str(tmp_path / "a.json")
+    assert timeline.stop() is None
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_nothing_is_recorded_while_off(tmp_path):
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(3)))
+    assert timeline.recording is None
+    strategy.start_timeline(tmp_path / "t.json")
+    path = strategy.stop_timeline()
+    assert complete_events(json.loads(open(path).read())) == []
+
+
+def test_spans_become_nvtx_ranges_when_registered(tmp_path, monkeypatch):
+    ranges = []
+    monkeypatch.setattr(timeline, "_nvtx", (lambda name: ranges.append(("push", name)),
+                                            lambda: ranges.append(("pop",))))
+    timeline.start(tmp_path / "t.json")
+    try:
+        with timeline.span("outer", "test"):
+            with timeline.span("inner", "test"):
+                pass
+    finally:
+        timeline.stop()
+    assert ranges == [("push", "outer"), ("push", "inner"), ("pop",), ("pop",)]
