@@ -39,15 +39,11 @@ import numpy as np
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # benchmark the checkout this file belongs to, installed or not
 
-COLUMN = "     time   algbw   busbw  #wrong"
-COLUMN_UNITS = "     (us)  (GB/s)  (GB/s)        "
+from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, header, parse_size  # noqa: E402
+from distrib.cli.bench.table import row as table_row  # noqa: E402
+from distrib.cli.bench.table import sizes as size_sweep  # noqa: E402
 
-
-def header(groups: int) -> str:
-    """nccl-tests' two header lines, with `groups` column groups (nccl-tests has out-of-place and in-place)."""
-    return ("#       size         count      type   redop    root" + COLUMN * groups + "\n"
-            + ("#        (B)    (elements)".ljust(52) + COLUMN_UNITS * groups).rstrip())
-
+ALL_REDUCE = COLLECTIVES["all_reduce"]
 
 BATCH_COUNT, BATCH_ELEMENTS = 1000, 256
 KERNEL_BYTES = 64 << 20
@@ -56,10 +52,10 @@ STRATEGY_BATCH = (4, 200, 1000)  # replicas sharing GPU:0, arrays, float32 eleme
 
 
 def size_arg(text: str) -> int:
-    match = re.fullmatch(r"(\d+)([KMG]?)", text.strip().upper())
-    if not match:
-        raise argparse.ArgumentTypeError(f"a size such as 8, 64K, 128M or 1G. Received: {text!r}")
-    return int(match[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[match[2]]
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,25 +71,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def sizes(args) -> list[int]:
-    out, size = [], max(4, args.minbytes // 4 * 4)
-    while size <= args.maxbytes:
-        out.append(size)
-        size *= max(2, args.stepfactor)
-    return out
+    return size_sweep(max(4, args.minbytes // 4 * 4), args.maxbytes, max(2, args.stepfactor))
 
 
-def row(size: int, count: int, root: int, n: int, columns: list[tuple[float, int] | None]) -> str:
-    """One nccl-tests line: (time in us, wrong count) per column pair, or None for N/A."""
-    text = f"{size:12d}  {count:12d}  {'float':>8s}  {'sum':>6s}  {root:6d}"
-    for column in columns:
-        if column is None:
-            text += f"  {'N/A':>7s}  {'N/A':>6s}  {'N/A':>6s}  {'N/A':>6s}"
-            continue
-        us, wrong = column
-        algbw = size / us / 1e3
-        busbw = algbw * 2 * (n - 1) / n
-        text += f"  {us:7.2f}  {algbw:6.2f}  {busbw:6.2f}  {wrong:6d}"
-    return text
+def row(size: int, n: int, columns: list[tuple[float, int]]) -> str:
+    """One nccl-tests line of a float32 sum all-reduce: (time in us, wrong count) per column group."""
+    return table_row(ALL_REDUCE, ALL_REDUCE.layout(size, 4, n), "float", "sum", -1, n,
+                     [Cell(us, wrong) for us, wrong in columns])
 
 
 def free_port() -> int:
@@ -147,7 +131,8 @@ def all_reduce_rows(args, cupy, nccl, backend, devices, ordinals) -> list[dict]:
         if not callable(call):
             print(f"# peer {name}: {call}")
     print(f"# all_reduce, float32 sum, {n} GPU(s), back to back, GPU time from CUDA events: raw cupy.cuda.nccl "
-          f"out-of-place | raw in-place | distrib CudaBackend.all_reduce\n{header(3)}")
+          f"out-of-place | raw in-place | distrib CudaBackend.all_reduce\n"
+          f"{header(['raw out-of-place', 'raw in-place', 'distrib'])}")
     latency_lines = []
     for size in sizes(args):
         count = size // 4
@@ -220,8 +205,7 @@ def all_reduce_rows(args, cupy, nccl, backend, devices, ordinals) -> list[dict]:
         outs = distrib_once()
         sync()
         distrib_wrong = sum(int((o != expected).sum().get()) for o in outs)
-        print(row(size, count, -1, n, [(raw_us, raw_wrong), (in_place_us, in_place_wrong),
-                                       (distrib_us, distrib_wrong)]))
+        print(row(size, n, [(raw_us, raw_wrong), (in_place_us, in_place_wrong), (distrib_us, distrib_wrong)]))
         latency = {"raw": synchronised(raw_once), "distrib": synchronised(distrib_once)}
         for name in peer_names:
             latency[name] = synchronised(lambda: peer_calls[name](sends[0], recvs[0]))
@@ -232,8 +216,8 @@ def all_reduce_rows(args, cupy, nccl, backend, devices, ordinals) -> list[dict]:
     print("# all_reduce synchronised after every call, host clock, median us per call:\n#       size"
           + "".join(f"  {name:>{max(10, len(name))}s}" for name in names))
     print("\n".join(latency_lines))
-    print(f"# Avg bus bandwidth (distrib, back to back): "
-          f"{statistics.mean(r['bytes'] / r['distrib_us'] / 1e3 * 2 * (n - 1) / n for r in results):.3f} GB/s")
+    busbw = [bandwidths(ALL_REDUCE, ALL_REDUCE.layout(r["bytes"], 4, n), r["distrib_us"] / 1e6, n)[1] for r in results]
+    print(f"# Avg bus bandwidth (distrib, back to back): {statistics.mean(busbw):.3f} GB/s")
     for comm in comms:
         comm.destroy()
     return results

@@ -1,4 +1,4 @@
-"""`python -m distrib train|info`."""
+"""`python -m distrib train|bench|info`."""
 
 import sys
 

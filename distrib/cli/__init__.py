@@ -1,30 +1,48 @@
-"""The `distrib` command: `distrib train` (the main job) and `distrib info` (backend, devices, versions)."""
+"""The `distrib` command: `distrib train` (the main job), `distrib bench` (collective throughput), `distrib info`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-COMMANDS = {"train": "the digits MLP job", "info": "the backend, its devices and the versions"}
+from distrib._version import __version__
+
+COMMANDS = {
+    "train": "train the bundled digits MLP data-parallel on every GPU, or on the CPU emulator",
+    "bench": "time a collective in nccl-tests' format, beside raw NCCL (GPUs) or raw NumPy (emulator)",
+    "info": "the backend distrib picks here and why, the GPUs and their links, the versions",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: one subcommand per entry of COMMANDS, each listed in `distrib --help`."""
+    from distrib.cli.bench import command as bench
+    from distrib.cli import info
+
+    parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute's programming model on CuPy/NCCL "
+                                                                 "and a NumPy CPU emulator.")
+    parser.add_argument("--version", action="version", version=f"distrib {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    train = commands.add_parser("train", help=COMMANDS["train"], add_help=False)  # its own parser reads the rest
+    train.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.add_arguments(commands.add_parser("bench", help=COMMANDS["bench"], description=COMMANDS["bench"]))
+    info.add_arguments(commands.add_parser("info", help=COMMANDS["info"], description=COMMANDS["info"]))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatches `distrib train ...` and `distrib info`; each command imports only what it needs."""
+    """Dispatches `distrib train ...`, `distrib bench ...` and `distrib info`; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute's programming model on CuPy/NCCL "
-                                                                 "and a NumPy CPU emulator.")
-    parser.add_argument("command", choices=tuple(COMMANDS),
-                        help="; ".join(f"{name}: {what}" for name, what in COMMANDS.items()))
-    if not argv or argv[0] not in COMMANDS:
-        parser.parse_args(argv)  # prints usage and exits
-    if argv[0] == "train":
+    if argv[:1] == ["train"]:  # train's flags go to its own parser, -h included
         from distrib.cli.train import main as train_main
 
         return train_main(argv[1:])
-    parser.parse_args(argv)
-    from distrib.cli.info import main as info_main
-
-    return info_main()
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from distrib.cli.bench.command import run
+    else:
+        from distrib.cli.info import run
+    return run(args)
 
 
 if __name__ == "__main__":

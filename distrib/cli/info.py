@@ -1,20 +1,87 @@
-"""`distrib info`: the backend distrib picks here and why, its devices, and the versions that matter."""
+"""`distrib info`: the backend distrib picks here and why, the GPUs and their links, the versions, what is missing."""
 
 from __future__ import annotations
 
-import platform
+import argparse
+import json
+import os
+import sys
 
-import numpy as np
-
-from distrib._version import __version__
-from distrib.backends import cuda_problem, detect, get_backend
+from distrib.cli import topology
+from distrib.cli.versions import missing, versions
 
 
-def main() -> int:
-    """Prints the backend, the reason CUDA is unavailable when it is, and the default devices."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the same facts as JSON")
+
+
+def gather() -> dict:
+    """Everything `distrib info` reports, as a JSON-ready dict; never raises for a missing GPU, driver or NVML."""
+    from distrib.backends import cuda_problem, detect, get_backend
+
     kind = detect()
-    backend = get_backend(kind)
-    print(f"distrib {__version__} on Python {platform.python_version()}, NumPy {np.__version__}")
-    print(f"backend: {kind}" + (f" (CUDA unavailable: {cuda_problem()})" if kind == "cpu" else ""))
-    print(f"default devices: {', '.join(backend.default_devices())}")
+    forced = os.environ.get("DISTRIB_BACKEND", "").strip().lower()
+    reason = (f"DISTRIB_BACKEND={forced}" if forced else
+              "CuPy sees a GPU and NCCL is loadable" if kind == "cuda" else f"CUDA unavailable: {cuda_problem()}")
+    facts: dict = {"backend": kind, "reason": reason,
+                   "default_devices": list(get_backend(kind).default_devices()),
+                   "gpus": [], "gpu_problem": None, "versions": versions(),
+                   "missing": {name: {"for": why, "extra": extra} for name, (why, extra) in missing().items()}}
+    try:
+        gpus = topology.read_gpus()
+    except ImportError as exc:
+        facts["gpu_problem"] = f"NVML is not available: pynvml is not installed ({exc}); pip install nvidia-ml-py " \
+                               f"(in distrib[cuda12])"
+    except Exception as exc:  # pynvml.NVMLError: no driver or no libnvidia-ml on this machine
+        facts["gpu_problem"] = f"NVML found no GPU: {type(exc).__name__}: {exc}"
+    else:
+        facts["gpus"] = [vars(g) for g in gpus]
+        if not gpus:
+            facts["gpu_problem"] = "NVML sees no GPU"
+    return facts
+
+
+def render(facts: dict) -> list[str]:
+    """The facts as plain text lines."""
+    v = facts["versions"]
+    lines = [f"distrib {v['distrib']} on Python {v['python']}, NumPy {v['numpy']}",
+             f"backend: {facts['backend']} ({facts['reason']})",
+             f"default devices: {', '.join(facts['default_devices'])}", ""]
+    if facts["gpu_problem"]:
+        lines.append(f"GPUs: none ({facts['gpu_problem']})")
+    else:
+        lines.append("GPUs:")
+        for g in facts["gpus"]:
+            lines.append(f"  GPU{g['index']}: {g['name']}, {g['memory_bytes'] / 2**30:.0f} GiB, compute capability "
+                         f"{g['compute_capability']}, PCIe {g['pcie']}, bus {g['bus_id']}")
+        lines += ["", topology.matrix([topology.GpuInfo(**g) for g in facts["gpus"]])]
+    lines += ["", "versions:"]
+    lines += [f"  {name:<14s}{version or 'not installed'}" for name, version in v.items()]
+    if facts["missing"]:
+        lines += ["", "missing:"]
+        lines += [f"  {name:<14s}for {m['for']}: pip install '{m['extra'].split(' or ')[0]}'"
+                  + (f" (or {m['extra'].split(' or ', 1)[1]})" if " or " in m["extra"] else "")
+                  for name, m in facts["missing"].items()]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints what distrib would use here; `--json` prints it as JSON."""
+    parser = argparse.ArgumentParser(prog="distrib info", description=__doc__.split(": ", 1)[1])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    facts = gather()
+    if args.json:
+        print(json.dumps(facts, indent=1))
+        return 0
+    lines = render(facts)
+    if sys.stdout.isatty():
+        from rich.console import Console
+
+        Console().print("\n".join(lines), markup=False, highlight=True)
+    else:
+        print("\n".join(lines))
     return 0

@@ -1,0 +1,123 @@
+"""Raw `cupy.cuda.nccl` series for `distrib bench` on GPUs: nccl-tests' calls, out of place and in place.
+
+Unverified on hardware in this revision's tests (they run without a GPU); written against cupy.cuda.nccl's
+NcclCommunicator API and the CUDA backend's NCCL type table.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from distrib.backends.cuda.dtypes import NCCL_OPS, NCCL_TYPES
+from distrib.cli.bench.runners import Prepared, RowSpec
+
+
+class NcclSeries:
+    """nccl-tests' own calls through cupy.cuda.nccl, one communicator per GPU, one group call per step.
+
+    In place follows nccl-tests' buffer offsets: all_gather sends from its slice of the receive buffer,
+    reduce_scatter receives into its slice of the send buffer.
+
+    Args:
+      ordinals: the CUDA devices, one rank each.
+      in_place: time the in-place variant.
+      per_array: batch_reduce only: one ncclAllReduce per array (in one group) instead of one over the buffer.
+    """
+
+    def __init__(self, ordinals: Sequence[int], in_place: bool = False, per_array: bool = False):
+        self.ordinals, self.in_place, self.per_array = list(ordinals), in_place, per_array
+        self.name = "raw NCCL" + (" in-place" if in_place else "") + (" per array" if per_array else "")
+        self._comms: list | None = None
+        self._streams: list | None = None
+
+    def __repr__(self) -> str:
+        return f"<NcclSeries {self.name!r} GPUs {self.ordinals}>"
+
+    def _setup(self):
+        import cupy
+        from cupy.cuda import nccl
+
+        if self._comms is None:
+            self._comms = nccl.NcclCommunicator.initAll(self.ordinals)
+            self._streams = []
+            for ordinal in self.ordinals:
+                with cupy.cuda.Device(ordinal):
+                    self._streams.append(cupy.cuda.Stream(non_blocking=True))
+        return cupy, nccl
+
+    def prepare(self, spec: RowSpec) -> Prepared:
+        cupy, nccl = self._setup()
+        name, n, layout = spec.collective.name, spec.ranks, spec.layout
+        dtype = NCCL_TYPES[np.dtype(spec.dtype).name]
+        op = NCCL_OPS["AVG" if spec.op == "avg" else "SUM"]
+        host = [spec.host_input(r) for r in range(n)]
+        sends, recvs, buffers = [], [], []
+        for r, ordinal in enumerate(self.ordinals):
+            with cupy.cuda.Device(ordinal):
+                if not self.in_place:
+                    sends.append(cupy.asarray(host[r]))
+                    recvs.append(cupy.empty(layout.recv_count, spec.dtype))
+                    buffers.append(sends[-1])
+                elif name == "all_gather":
+                    buffer = cupy.empty(layout.recv_count, spec.dtype)
+                    sends.append(buffer[r * layout.send_count:(r + 1) * layout.send_count])
+                    recvs.append(buffer)
+                    buffers.append(sends[-1])
+                elif name == "reduce_scatter":
+                    buffer = cupy.asarray(host[r])
+                    sends.append(buffer)
+                    recvs.append(buffer[r * layout.recv_count:(r + 1) * layout.recv_count])
+                    buffers.append(buffer)
+                else:
+                    buffer = cupy.asarray(host[r])
+                    sends.append(buffer)
+                    recvs.append(buffer)
+                    buffers.append(buffer)
+
+        def reset():
+            for r, ordinal in enumerate(self.ordinals):
+                with cupy.cuda.Device(ordinal):
+                    buffers[r].set(host[r])
+            cupy.cuda.Device(self.ordinals[0]).synchronize()
+
+        def launch(r: int, comm, stream: int) -> None:
+            send, recv = sends[r].data.ptr, recvs[r].data.ptr
+            if name == "all_gather":
+                comm.allGather(send, recv, layout.send_count, dtype, stream)
+            elif name == "reduce_scatter":
+                comm.reduceScatter(send, recv, layout.recv_count, dtype, op, stream)
+            elif name == "broadcast":
+                comm.broadcast(send, recv, layout.send_count, dtype, spec.root, stream)
+            elif name == "reduce":
+                comm.reduce(send, recv, layout.send_count, dtype, op, spec.root, stream)
+            elif name == "batch_reduce" and self.per_array:
+                step_bytes = spec.array_elements * np.dtype(spec.dtype).itemsize
+                for k, start in enumerate(range(0, layout.send_count, spec.array_elements)):
+                    elements = min(spec.array_elements, layout.send_count - start)
+                    comm.allReduce(send + k * step_bytes, recv + k * step_bytes, elements, dtype, op, stream)
+            else:
+                comm.allReduce(send, recv, layout.send_count, dtype, op, stream)
+
+        def step():
+            nccl.groupStart()
+            for r, (ordinal, comm, stream) in enumerate(zip(self.ordinals, self._comms, self._streams)):
+                with cupy.cuda.Device(ordinal):
+                    launch(r, comm, stream.ptr)
+            nccl.groupEnd()
+
+        def sync():
+            for stream in self._streams:
+                stream.synchronize()
+
+        def outputs(_):
+            return [recv.get() if name != "reduce" or r == spec.root else None for r, recv in enumerate(recvs)]
+
+        return Prepared(step, sync, reset, outputs)
+
+    def close(self) -> None:
+        """Destroys the communicators."""
+        for comm in self._comms or ():
+            comm.destroy()
+        self._comms = None

@@ -1,0 +1,102 @@
+"""`distrib bench`'s results as a JSON document with a fixed schema, and as a plot of bus bandwidth against size."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "distrib-bench/1"
+MEASUREMENT_KEYS = {"time_us": float, "algbw_GBps": float, "busbw_GBps": float, "wrong": (int, type(None))}
+ROW_KEYS = {"size": int, "count": int, "type": str, "redop": str, "root": int, "results": dict}
+TOP_KEYS = {"schema": str, "collective": str, "date": str, "device": str, "backend": str, "emulated": bool,
+            "ranks": int, "type": str, "op": str, "root": int, "versions": dict, "settings": dict, "series": list,
+            "rows": list, "avg_busbw_GBps": dict, "wrong": int}
+
+
+def validate(document: dict) -> dict:
+    """Checks `document` against the schema (keys and their types); returns it.
+
+    Raises:
+      ValueError: a key is missing or has the wrong type; the message names its path.
+    """
+    _check(document, TOP_KEYS, "")
+    if document["schema"] != SCHEMA:
+        raise ValueError(f"A distrib bench result has schema {SCHEMA!r}. Received: {document['schema']!r}.")
+    for i, row in enumerate(document["rows"]):
+        _check(row, ROW_KEYS, f"rows[{i}].")
+        if set(row["results"]) != set(document["series"]):
+            raise ValueError(f"rows[{i}].results needs one entry per series {document['series']}. Received: "
+                             f"{sorted(row['results'])}.")
+        for name, measurement in row["results"].items():
+            if measurement is not None:
+                _check(measurement, MEASUREMENT_KEYS, f"rows[{i}].results[{name!r}].")
+    return document
+
+
+def _check(mapping: Any, keys: dict, where: str) -> None:
+    if not isinstance(mapping, dict):
+        raise ValueError(f"{where or 'the document'} must be an object. Received: {type(mapping).__name__}.")
+    for key, kind in keys.items():
+        if key not in mapping:
+            raise ValueError(f"A distrib bench result needs {where}{key}. Received keys: {sorted(mapping)}.")
+        value = mapping[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{where}{key} must be {getattr(kind, '__name__', kind)}. Received: {value!r}.")
+
+
+def write_json(document: dict, path: str | Path) -> Path:
+    """Validates and writes the document (infinite bandwidths, from a zero time, become null)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(validate(document)), indent=1) + "\n")
+    return path
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def plot(document: dict, path: str | Path) -> Path:
+    """Bus bandwidth against size, both on log scales, one line per series; the device and date in the title.
+
+    Raises:
+      ModuleNotFoundError: matplotlib is missing (pip install 'distrib[bench]').
+    """
+    try:
+        import matplotlib
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError("--plot needs matplotlib: pip install 'distrib[bench]'.") from exc
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(8, 5))
+    for name in document["series"]:
+        points = [(row["size"], row["results"][name]["busbw_GBps"]) for row in document["rows"]
+                  if row["results"].get(name) and row["size"] > 0 and row["results"][name]["busbw_GBps"]
+                  and math.isfinite(row["results"][name]["busbw_GBps"])]
+        if points:
+            axes.plot(*zip(*points), marker="o", markersize=3, label=name)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("size (bytes)")
+    axes.set_ylabel("bus bandwidth (GB/s)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    axes.set_title(f"distrib bench {document['collective']} ({document['type']}, {document['ranks']} ranks)\n"
+                   f"{document['device']}, {document['date'][:10]}", fontsize=10)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    pyplot.close(figure)
+    return path

@@ -1,0 +1,226 @@
+"""The series a benchmark row times: distrib's collectives through the strategy, and raw NumPy on the emulator.
+
+A series prepares one row (a collective at one size) and hands back a `Prepared`: a step to time, a way to
+wait for it, a way to reset its inputs, and the last result per rank on the host for the check. Inputs are
+small integers, so sums are exact in every dtype and `#wrong` counts real mismatches against the host's
+answer (`expected`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from distrib.cli.bench.table import Collective, Layout
+
+OPS = {"sum": "SUM", "avg": "MEAN"}
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One row: the collective, its buffers, dtype, op ("sum" or "avg"), root, ranks, and batch array size."""
+
+    collective: Collective
+    layout: Layout
+    dtype: np.dtype
+    op: str
+    root: int
+    ranks: int
+    array_elements: int = 0  # batch_reduce: elements per array
+
+    def host_input(self, rank: int) -> np.ndarray:
+        """Rank `rank`'s send buffer: 1..7 in a pattern that differs per rank, so a swapped rank is caught."""
+        return ((np.arange(self.layout.send_count) + 3 * rank) % 7 + 1).astype(self.dtype)
+
+    def expected(self) -> list[np.ndarray | None]:
+        """The correct result per rank, computed on the host (None where a rank receives nothing)."""
+        inputs = [self.host_input(r) for r in range(self.ranks)]
+        name, n = self.collective.name, self.ranks
+        if name == "all_gather":
+            return [np.concatenate(inputs)] * n
+        if name == "broadcast":
+            return [inputs[self.root]] * n
+        total = np.sum(np.stack(inputs).astype(np.float64), axis=0)
+        total = (total / n if self.op == "avg" else total).astype(self.dtype)
+        if name == "reduce_scatter":
+            part = self.layout.recv_count
+            return [total[r * part:(r + 1) * part] for r in range(n)]
+        if name == "reduce":
+            return [total if r == self.root else None for r in range(n)]
+        return [total] * n
+
+
+@dataclass
+class Prepared:
+    """One row of one series, ready to time."""
+
+    step: Callable[[], Any]
+    sync: Callable[[], None]
+    reset: Callable[[], None]
+    outputs: Callable[[Any], list[np.ndarray | None]]  # the step's result -> host arrays per rank
+
+
+def count_wrong(outputs: Sequence[np.ndarray | None], expected: Sequence[np.ndarray | None]) -> int:
+    """Elements that differ from the host's answer, over every rank that receives a result."""
+    wrong = 0
+    for got, want in zip(outputs, expected):
+        if want is None:
+            continue
+        if got is None or got.shape != want.shape:
+            wrong += want.size
+            continue
+        if want.dtype.kind == "f" or str(want.dtype) == "bfloat16":  # avg divides: allow the last bit
+            close = np.isclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-2 if want.itemsize <= 2
+                               else 1e-6, atol=0)
+            wrong += int(want.size - np.count_nonzero(close))
+        else:
+            wrong += int(np.count_nonzero(got != want))
+    return wrong
+
+
+class DistribSeries:
+    """distrib's own path for each collective, on whichever backend the strategy runs.
+
+    all_reduce: `extended.reduce_to(op, value, destinations=value)`; reduce: `reduce_to` onto the root's device;
+    broadcast: `extended.broadcast_to`; all_gather: the cross-replica all-gather a replica's `all_gather` runs
+    once the replicas have met; reduce_scatter: the backend's reduce-scatter (distrib, like TensorFlow, has no
+    user-level one); batch_reduce: `extended.batch_reduce_to` of one (value, value) pair per array.
+
+    Args:
+      name: the column group's title.
+      strategy: a MirroredStrategy over the benchmarked devices.
+      options: CommunicationOptions for batch_reduce_to (bytes_per_pack).
+    """
+
+    in_place = False
+
+    def __init__(self, name: str, strategy: Any, options: Any = None):
+        self.name, self.strategy, self.options = name, strategy, options
+
+    def __repr__(self) -> str:
+        return f"<DistribSeries {self.name!r}>"
+
+    def prepare(self, spec: RowSpec) -> Prepared:
+        from distrib.values import PerReplica
+
+        ext = self.strategy.extended
+        backend, devices = ext.backend, list(ext.worker_devices)
+        op = OPS[spec.op]
+        host = [spec.host_input(r) for r in range(spec.ranks)]
+        arrays: list = []
+
+        def reset():
+            arrays[:] = [backend.to_device(h, d) for h, d in zip(host, devices)]
+            backend.synchronize()
+
+        def hosts(values):
+            return [backend.to_host(v) for v in values]
+
+        reset()
+        name = spec.collective.name
+        if name == "all_reduce":
+            step = lambda: ext.reduce_to(op, PerReplica(arrays), PerReplica(arrays))  # noqa: E731
+            outputs = lambda result: hosts(result.values)  # noqa: E731
+        elif name == "reduce":
+            step = lambda: ext.reduce_to(op, PerReplica(arrays), devices[spec.root])  # noqa: E731
+            outputs = lambda result: [backend.to_host(result.values[0]) if r == spec.root else None  # noqa: E731
+                                      for r in range(spec.ranks)]
+        elif name == "broadcast":
+            step = lambda: ext.broadcast_to(arrays[spec.root], PerReplica(arrays))  # noqa: E731
+            outputs = lambda result: hosts(result.values)  # noqa: E731
+        elif name == "all_gather":
+            options = ext._merged_options(None)
+            step = lambda: ext._batch_all_gather([[a] for a in arrays], 0, options)  # noqa: E731
+            outputs = lambda result: [backend.to_host(r[0]) for r in result]  # noqa: E731
+        elif name == "reduce_scatter":
+            step = lambda: backend.reduce_scatter(arrays, devices)  # noqa: E731
+            outputs = hosts
+        else:  # batch_reduce
+            cuts = list(range(0, spec.layout.send_count, spec.array_elements))
+            step = lambda: ext.batch_reduce_to(op, [(v, v) for v in _split(arrays, cuts, spec)],  # noqa: E731
+                                               self.options)
+            outputs = lambda result: [np.concatenate([backend.to_host(m.values[r]) for m in result])  # noqa: E731
+                                      for r in range(spec.ranks)]
+        return Prepared(step, backend.synchronize, reset, outputs)
+
+
+def _split(arrays: Sequence[Any], cuts: Sequence[int], spec: RowSpec) -> list:
+    from distrib.values import PerReplica
+
+    return [PerReplica([a[c:c + spec.array_elements] for a in arrays]) for c in cuts]
+
+
+class NumpySeries:
+    """Raw NumPy on the host: the floor of the CPU emulator, which holds every emulated device in one memory.
+
+    Out of place, each rank's result is one preallocated buffer every rank reads (as the emulator hands out
+    read-only views of one buffer); in place, the result goes into the root's (or rank 0's, or each rank's own
+    slice's) input buffer. An in-place all_gather or broadcast has nothing to move in shared memory: N/A.
+
+    Args:
+      in_place: time the in-place variant.
+      per_array: batch_reduce only: one reduction per array instead of one over the packed buffer.
+    """
+
+    def __init__(self, in_place: bool = False, per_array: bool = False):
+        self.in_place, self.per_array = in_place, per_array
+        self.name = "raw NumPy" + (" in-place" if in_place else "") + (" per array" if per_array else "")
+
+    def __repr__(self) -> str:
+        return f"<NumpySeries {self.name!r}>"
+
+    def prepare(self, spec: RowSpec) -> Prepared | None:
+        name, n, count = spec.collective.name, spec.ranks, spec.layout.send_count
+        if self.in_place and name in ("all_gather", "broadcast"):
+            return None
+        host = [spec.host_input(r) for r in range(n)]
+        ins = [h.copy() for h in host]
+
+        def reset():
+            for target, source in zip(ins, host):
+                np.copyto(target, source)
+
+        def sum_into(out, parts):
+            if len(parts) == 1:
+                np.copyto(out, parts[0])
+            else:
+                np.add(parts[0], parts[1], out=out)
+                for part in parts[2:]:
+                    np.add(out, part, out=out)
+            if spec.op == "avg":
+                np.true_divide(out, n, out=out)
+            return out
+
+        if name == "all_gather":
+            out = np.empty(count * n, spec.dtype)
+            return Prepared(lambda: [np.concatenate(ins, out=out)] * n, _nothing, reset, list)
+        if name == "broadcast":
+            out = np.empty(count, spec.dtype)
+            return Prepared(lambda: [np.copyto(out, ins[spec.root]) or out] * n, _nothing, reset, list)
+        if name == "reduce_scatter":
+            part = spec.layout.recv_count
+            outs = [ins[r][r * part:(r + 1) * part] if self.in_place else np.empty(part, spec.dtype) for r in range(n)]
+            return Prepared(lambda: [sum_into(outs[r], [x[r * part:(r + 1) * part] for x in _home_first(ins, r)])
+                                     for r in range(n)], _nothing, reset, list)
+        home = spec.root if name == "reduce" else 0
+        out = ins[home] if self.in_place else np.empty(count, spec.dtype)
+        ins = _home_first(ins, home)  # in place, the home buffer is summed into first, before it is overwritten
+        if name == "batch_reduce" and self.per_array:
+            size = spec.array_elements
+            cuts = range(0, count, size)
+            step = lambda: [[sum_into(out[c:c + size], [x[c:c + size] for x in ins]) for c in cuts] and out] * n  # noqa: E731
+        else:
+            step = lambda: [sum_into(out, ins)] * n  # noqa: E731
+        if name == "reduce":
+            return Prepared(lambda: [step()[0] if r == spec.root else None for r in range(n)], _nothing, reset, list)
+        return Prepared(step, _nothing, reset, list)
+
+
+def _home_first(arrays: list, home: int) -> list:
+    return [arrays[home]] + arrays[:home] + arrays[home + 1:]
+
+
+def _nothing() -> None:
+    """NumPy's work is done when its call returns: nothing to wait for."""

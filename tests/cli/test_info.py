@@ -1,0 +1,48 @@
+"""`distrib info`: backend and why, GPUs and links from NVML, versions, what is missing; never failing without a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from distrib.cli import topology
+
+NO_NVML = "import sys; sys.modules['pynvml'] = None; from distrib.cli import main; sys.exit(main(['info']))"
+
+
+def info(*flags, program=None):
+    command = [sys.executable, "-c", program] if program else [sys.executable, "-m", "distrib", "info", *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_info_says_there_is_no_gpu_instead_of_failing():
+    out = info()
+    assert "backend: cpu (CUDA unavailable:" in out
+    assert "GPUs: none (NVML" in out
+    assert "versions:" in out and "numpy" in out
+
+
+def test_info_without_nvml_names_the_package_to_install():
+    assert "pynvml is not installed" in info(program=NO_NVML)
+
+
+def test_info_as_json():
+    facts = json.loads(info("--json"))
+    assert facts["backend"] == "cpu" and facts["gpus"] == [] and facts["gpu_problem"]
+    assert facts["versions"]["distrib"] and set(facts["missing"]) <= {"cupy", "pynvml", "ml_dtypes", "mpi4py", "ray",
+                                                                      "rich", "matplotlib"}
+    assert all(entry["extra"].startswith("distrib[") for entry in facts["missing"].values())
+
+
+def test_the_link_matrix_has_nvidia_smis_layout():
+    gpus = [topology.GpuInfo(i, "H100", 80 << 30, "9.0", "Gen5 x16", f"0:{i}", "0-7",
+                             ["X" if i == j else "NV18" if {i, j} == {0, 1} else "SYS" for j in range(3)],
+                             ["X" if i == j else "OK" for j in range(3)]) for i in range(3)]
+    lines = topology.matrix(gpus).splitlines()
+    assert lines[0] == "\tGPU0\tGPU1\tGPU2\tCPU Affinity"
+    assert lines[1].split("\t") == ["GPU0", " X ", "NV18", "SYS", "0-7"]
+    assert lines[3].split("\t") == ["GPU2", "SYS", "SYS", " X ", "0-7"]
+    assert "NV#  = Connection traversing a bonded set of # NVLinks" in topology.matrix(gpus)
