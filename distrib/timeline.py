@@ -46,7 +46,7 @@ class Timeline:
       >>> strategy.stop_timeline() == path
       True
       >>> sorted({e["name"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"})
-      ['all_reduce', 'pack', 'run', 'unpack']
+      ['all_reduce', 'execute', 'pack', 'run', 'unpack']
     """
 
     def __init__(self, path: str | os.PathLike):
