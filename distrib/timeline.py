@@ -206,9 +206,10 @@ def timed(method: Callable, name: str, category: str) -> Callable:
             devices = kwargs.get(where) if where in kwargs else args[position] if where and position < len(args) \
                 else None
             tracks = (devices,) if isinstance(devices, str) else tuple(devices) if devices else (thread_track(),)
-            timeline.add(name, category, start_ns, end_ns, tracks, 
+            timeline.add(name, category, start_ns, end_ns, tracks,
                          {"bytes": max(_nbytes(args[0] if args else None), _nbytes(result))})
 
+    wrapper.timed_as = name
     return wrapper
 
 

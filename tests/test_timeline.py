@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -101,3 +102,18 @@ def test_spans_become_nvtx_ranges_when_registered(tmp_path, monkeypatch):
     finally:
         timeline.stop()
     assert ranges == [("push", "outer"), ("push", "inner"), ("pop",), ("pop",)]
+
+
+def test_every_backends_collectives_are_on_the_timeline_once():
+    from distrib.backends.base import TIMED
+    from distrib.backends.cpu import CpuBackend
+
+    classes = [CpuBackend]
+    if importlib.util.find_spec("cupy") is not None:  # the CUDA backend imports without a GPU
+        from distrib.backends.cuda.backend import CudaBackend
+
+        classes.append(CudaBackend)
+    for cls in classes:
+        for name in TIMED:
+            method = getattr(cls, name)
+            assert method.timed_as == name and not hasattr(method.__wrapped__, "timed_as"), (cls, name)
