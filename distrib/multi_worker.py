@@ -19,7 +19,7 @@ from distrib.input.contexts import InputWorkers
 from distrib.mirrored import MirroredExtended
 from distrib.options import CommunicationOptions, ReduceOp
 from distrib.strategy import Strategy
-from distrib.values import local_components, map_structure
+from distrib.values import Mirrored, is_zero_scalar, local_components, map_structure
 
 
 class MultiWorkerExtended(MirroredExtended):
@@ -37,7 +37,7 @@ class MultiWorkerExtended(MirroredExtended):
         return self._group.rank == 0
 
     def _barrier(self, what: str) -> None:
-        self._group.run(what, lambda: [self._group.comm.Ibarrier()], self._options.timeout)
+        self._group.barrier(what, self._options.timeout)
 
     def _count_everywhere(self, count: int) -> int:
         parts = [np.int64(count)] + [np.int64(0)] * (len(self._devices) - 1)
@@ -51,6 +51,14 @@ class MultiWorkerExtended(MirroredExtended):
             initial_value = initial_value()
         return super()._create_variable(self._first_replica_value(initial_value), *args, **kwargs)
 
+    def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: tuple[str, ...]) -> Any:
+        # With one replica per process, `run` returns plain values: they are this process's replica's, and are
+        # reduced across the processes, as TensorFlow does with several workers.
+        if len(self._devices) > 1 or is_zero_scalar(value):
+            return super()._reduce_non_distributed(op, value, destinations)
+        array = self._backend.to_device(value, self._devices[0])
+        return Mirrored(self._cross_device_ops.reduce_to(self._backend, op, [array], self._devices, destinations))
+
     def _first_replica_value(self, value: Any) -> Any:
         array = self._backend.to_device(value, self._devices[0])
         return self._backend.broadcast(array, self._devices[:1], timeout=self._options.timeout)[0]
@@ -59,9 +67,7 @@ class MultiWorkerExtended(MirroredExtended):
         group = self._group
 
         def any_worker_has_data(local: bool) -> bool:  # every worker stops on the same step
-            flags = [np.int64(local)] + [np.int64(0)] * (len(self._devices) - 1)
-            return bool(self._cross_device_ops.reduce_to(self._backend, ReduceOp.SUM, flags, self._devices,
-                                                         ("host",))[0])
+            return group.any_rank_has(local, self._options.timeout)
 
         return InputWorkers(self._backend, self._devices, group.size, group.rank, any_worker_has_data)
 

@@ -1,7 +1,8 @@
 """Data-parallel linear regression with MirroredStrategy: shard a batch, all-reduce gradients, check the result.
 
 Runs on every GPU when the CUDA backend is available, else on the CPU emulator with $DISTRIB_CPU_REPLICAS
-replicas (default 2); `--replicas N` forces N emulated CPU replicas. It trains the same model on one replica
+replicas (default 2); `--replicas N` forces N emulated CPU replicas; `mpirun -np 2 python examples/quickstart.py`
+runs it on every replica of two processes. It trains the same model on one replica
 and on N replicas from the same data and shows that the weights agree, which is what data parallelism
 promises.
 """
@@ -62,21 +63,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args(argv)
 
-    devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]
-    strategy = distrib.MirroredStrategy(devices)
+    if distrib.cluster_resolver.MPIClusterResolver().num_tasks("worker") > 1:  # launched by mpirun -np N (N > 1)
+        strategy = distrib.MultiWorkerMirroredStrategy()  # every replica of every process in one sync group
+    else:
+        devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]
+        strategy = distrib.MirroredStrategy(devices)
+    chief = strategy.extended.should_checkpoint  # rank 0 of a multi-worker job; True in one process
     x, y, true_w = make_data(args.rows, 8)
-    print(f"strategy: {strategy!r}, {strategy.num_replicas_in_sync} replicas, {args.rows} rows")
+    report = print if chief else (lambda *_: None)  # the chief alone reports
+    report(f"strategy: {strategy!r}, {strategy.num_replicas_in_sync} replicas, {args.rows} rows")
 
     start = time.perf_counter()
     w, b, losses = train(strategy, x, y, args.steps, args.lr)
     elapsed = time.perf_counter() - start
     for k in sorted({0, len(losses) // 4, len(losses) // 2, len(losses) - 1}):
-        print(f"step {k + 1:4d}  loss {losses[k]:.6f}")
-    print(f"{args.steps} steps in {elapsed:.3f} s ({args.steps / elapsed:.0f} steps/s)")
+        report(f"step {k + 1:4d}  loss {losses[k]:.6f}")
+    report(f"{args.steps} steps in {elapsed:.3f} s ({args.steps / elapsed:.0f} steps/s)")
 
     w1, b1, _ = train(distrib.MirroredStrategy([strategy.extended.worker_devices[0]]), x, y, args.steps, args.lr)
-    print(f"max |w - w_1 replica| = {np.abs(w - w1).max():.2e}, |b - b_1 replica| = {abs(b - b1):.2e}")
-    print(f"max |w - true w|      = {np.abs(w - true_w).max():.2e}, b = {b:.4f} (true 0.5)")
+    report(f"max |w - w_1 replica| = {np.abs(w - w1).max():.2e}, |b - b_1 replica| = {abs(b - b1):.2e}")
+    report(f"max |w - true w|      = {np.abs(w - true_w).max():.2e}, b = {b:.4f} (true 0.5)")
     if not np.allclose(w, w1, rtol=1e-5, atol=1e-5):
         raise SystemExit("data-parallel training diverged from single-replica training")
 

@@ -2,6 +2,7 @@
 
     python3 examples/train_mlp.py                 # every GPU, else 2 emulated CPU replicas
     python3 examples/train_mlp.py --replicas 4    # 4 emulated CPU replicas
+    mpirun -np 2 python3 examples/train_mlp.py    # 2 processes (each with every local GPU, or 2 emulated replicas)
 
 It is `distrib train` (whose model, distrib/cli/model.py, it shares) without the run directory, resuming and
 precision flags: a strategy, variables made in its scope, a distributed dataset, a replica step that computes
@@ -36,8 +37,12 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=0.003)
     args = parser.parse_args()
 
-    devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]
-    strategy = distrib.MirroredStrategy(devices)
+    if distrib.cluster_resolver.MPIClusterResolver().num_tasks("worker") > 1:  # launched by mpirun -np N (N > 1)
+        strategy = distrib.MultiWorkerMirroredStrategy()  # every replica of every process in one sync group
+    else:
+        devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]
+        strategy = distrib.MirroredStrategy(devices)
+    chief = strategy.extended.should_checkpoint  # rank 0 of a multi-worker job; True in one process
     xp = strategy.extended.backend.xp  # numpy on the CPU emulator, cupy on GPUs
     x_train, y_train, x_test, y_test = load_digits()
     with strategy.scope():
@@ -62,10 +67,12 @@ def main() -> None:
             [(x_test[i:i + 256], y_test[i:i + 256]) for i in range(0, len(x_test), 256)])
         correct = sum(int(strategy.reduce("SUM", strategy.run(count_correct, args=batch), axis=None))
                       for batch in test)
-        print(f"epoch {epoch + 1:2d}  loss {float(loss):.4f}  test accuracy {correct / len(x_test):.2%}")
+        if chief:
+            print(f"epoch {epoch + 1:2d}  loss {float(loss):.4f}  test accuracy {correct / len(x_test):.2%}")
     seconds = time.perf_counter() - start
     samples = args.epochs * (len(x_train) // args.batch_size) * args.batch_size
-    print(f"{strategy.num_replicas_in_sync} replicas: {seconds:.1f} s, {samples / seconds:,.0f} samples/s")
+    if chief:
+        print(f"{strategy.num_replicas_in_sync} replicas: {seconds:.1f} s, {samples / seconds:,.0f} samples/s")
 
 
 if __name__ == "__main__":

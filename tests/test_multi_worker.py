@@ -19,12 +19,14 @@ import distrib
 HERE = pathlib.Path(__file__).parent / "multi_worker"
 sys.path.insert(0, str(HERE))
 import training  # noqa: E402
+from test_conformance import DELIBERATE_DIFFERENCES  # noqa: E402
 
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin "
                                                        "libopenmpi-dev; .ci/run installs it)")
 # Documented differences from one process, not failures: see README's multi-worker section.
-BY_DESIGN = {"datasets_from_function": "each worker runs its own input pipeline (num_input_pipelines=2)"}
+BY_DESIGN = {"datasets_from_function": "each worker runs its own input pipeline (num_input_pipelines=2)",
+             **DELIBERATE_DIFFERENCES}
 
 
 def mpirun(program: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -37,13 +39,13 @@ def mpirun(program: str, *args: str, timeout: float = 120) -> subprocess.Complet
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("job")
-    done = mpirun("job.py", str(folder / "report.json"), str(folder / "half.ckpt"))
+    done = mpirun("job.py", str(folder / "report.json"), str(folder / "half.ckpt"), str(folder / "run"))
     assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads((folder / "report.json").read_text()), folder / "half.ckpt"
+    return json.loads((folder / "report.json").read_text()), folder / "half.ckpt", done.stdout
 
 
 def test_every_replica_of_every_process_is_in_one_sync_group(job):
-    report, _ = job
+    report, _, _ = job
     assert report["repr"] == "<MultiWorkerMirroredStrategy rank=0 of 2, devices=('CPU:0', 'CPU:1'), replicas=4>"
     assert report["num_replicas_in_sync"] == 4 and report["local_results"] == 2
     assert report["ids"] == [0, 1, 2, 3]
@@ -55,7 +57,7 @@ def test_every_replica_of_every_process_is_in_one_sync_group(job):
 
 
 def test_reduce_gather_and_input_split_as_one_process_with_four_replicas(job):
-    report, _ = job
+    report, _, _ = job
     strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     values = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.full((2, 2), ctx.replica_id_in_sync_group, np.float32))
@@ -67,7 +69,7 @@ def test_reduce_gather_and_input_split_as_one_process_with_four_replicas(job):
 
 
 def test_conformance_programs_give_one_processs_results(job):
-    report, _ = job
+    report, _, _ = job
     outcomes = report["conformance"]
     ran = {name: outcome for name, outcome in outcomes.items() if not outcome.startswith("skipped")}
     assert len(ran) >= 25, outcomes
@@ -76,7 +78,7 @@ def test_conformance_programs_give_one_processs_results(job):
 
 
 def test_two_processes_train_to_the_weights_of_one_process_with_four_replicas(job):
-    report, _ = job
+    report, _, _ = job
     strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     w, b, optimizer = training.build(strategy, seed=0)
     losses = training.train(strategy, w, b, optimizer, training.batches())
@@ -87,15 +89,34 @@ def test_two_processes_train_to_the_weights_of_one_process_with_four_replicas(jo
 
 
 def test_the_chiefs_checkpoint_resumes_in_one_process(job):
-    report, checkpoint = job
+    report, checkpoint, _ = job
     strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     w, b, optimizer = training.build(strategy, seed=123)
     metadata = distrib.Checkpoint(w=w, b=b, optimizer=optimizer, step=0).restore(checkpoint)
     done = metadata["step"]
     training.train(strategy, w, b, optimizer, training.batches(training.STEPS - done, first=done))
     np.testing.assert_allclose(w.numpy(), report["w"], rtol=1e-5)
-    assert [p.name for p in checkpoint.parent.iterdir()] == ["report.json", "half.ckpt"] or \
-        sorted(p.name for p in checkpoint.parent.iterdir()) == ["half.ckpt", "report.json"]  # no temporary left
+    assert not [p.name for p in checkpoint.parent.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
+
+
+def test_distrib_train_under_mpirun_reports_once_and_resumes_in_one_process(job, capsys):
+    report, checkpoint, printed = job
+    run = checkpoint.parent / "run"
+    assert report["distrib_train"] == 0
+    assert printed.count("test accuracy") == 2  # the chief's epoch line and summary; rank 1 prints nothing
+    assert "<MultiWorkerMirroredStrategy rank=0 of 2, devices=('CPU:0', 'CPU:1'), replicas=4>: 4 replicas" in printed
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt", "history.json", "loss.png"]
+    from distrib.cli.train import main as distrib_train
+
+    # the same epoch in one process with the same 4 replicas: the same losses, to rounding
+    assert distrib_train(["--replicas", "4", "--epochs", "1", "--out", str(run.parent / "one"), "--seed", "3"]) == 0
+    two, one = (json.loads((folder / "history.json").read_text()) for folder in (run, run.parent / "one"))
+    np.testing.assert_allclose(two["step_loss"], one["step_loss"], rtol=1e-4)
+    assert two["test_accuracy"] == one["test_accuracy"]
+    # and the 2-process run resumes in one process with 3 replicas (another count)
+    assert distrib_train(["--replicas", "3", "--epochs", "2", "--global-batch-size", "63", "--out", str(run),
+                          "--resume", "--seed", "3"]) == 0
+    assert "epoch 2/2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fault, error", [("kill", "WorkerFailedError"), ("stall", "DeadlineExceededError")])

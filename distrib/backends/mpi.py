@@ -17,7 +17,7 @@ from distrib.backends.cpu import CpuBackend, _shared as shared_views
 from distrib.backends.packed import FLOAT_PREFIXES
 from distrib.backends.process_group import ProcessGroup
 from distrib.errors import BackendUnavailableError
-from distrib.plan import NCCL, AllReducePlan
+from distrib.plan import NCCL, AllReducePlan, dtype_name
 
 # dtype name -> (mpi4py datatype name, reduction op name); the others travel as float32
 _MPI_TYPES = {
@@ -47,12 +47,13 @@ class MpiBackend(CpuBackend):
 
     def _buffer(self, array: np.ndarray) -> tuple[np.ndarray, list]:
         """The array as MPI sends it (float16/bfloat16 as float32), and its [buffer, datatype] spec."""
-        mpi_type, _ = _MPI_TYPES.get(array.dtype.name, ("FLOAT", "SUM"))
-        wire = array if array.dtype.name in _MPI_TYPES else array.astype(np.float32)
+        name = dtype_name(array.dtype)
+        mpi_type, _ = _MPI_TYPES.get(name, ("FLOAT", "SUM"))
+        wire = array if name in _MPI_TYPES else array.astype(np.float32)
         return wire, [wire, getattr(self.group.MPI, mpi_type)]
 
     def _op(self, dtype: np.dtype) -> Any:
-        return getattr(self.group.MPI, _MPI_TYPES.get(dtype.name, ("FLOAT", "SUM"))[1])
+        return getattr(self.group.MPI, _MPI_TYPES.get(dtype_name(dtype), ("FLOAT", "SUM"))[1])
 
     def _local_sum(self, flats: Sequence[np.ndarray]) -> np.ndarray:
         """A new writable buffer: this process's replicas summed in replica order."""
@@ -121,7 +122,7 @@ class MpiBackend(CpuBackend):
         per_replica = flats[0].size
         gathered = self._pool.empty((per_replica * group.num_replicas,), local.dtype)
         counts = [per_replica * n for n in group.replica_counts]
-        mpi_type = self._buffer(local)[1][1] if local.dtype.name in _MPI_TYPES else MPI.BYTE
+        mpi_type = self._buffer(local)[1][1] if dtype_name(local.dtype) in _MPI_TYPES else MPI.BYTE
         if mpi_type is MPI.BYTE:  # no MPI type (float16, bfloat16): gather the bytes
             counts = [c * local.itemsize for c in counts]
         displacements = np.cumsum([0] + counts[:-1]).tolist()

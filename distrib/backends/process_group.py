@@ -26,7 +26,7 @@ import numpy as np
 from distrib.errors import BackendUnavailableError, DeadlineExceededError, WorkerFailedError
 
 _ANNOUNCE_TAG = 17
-_SPIN_SECONDS = 0.002  # poll without sleeping this long: a small collective completes well within it
+_SPIN_SECONDS = 0.05  # poll without sleeping this long, as MPI's blocking calls do; then in 0.5 ms naps
 _GROUPS: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 
 
@@ -41,68 +41,49 @@ def import_mpi() -> Any:
     return MPI
 
 
-class ProcessGroup:
-    """This process's place among the ranks of the MPI job, and their replicas.
+class Channel:
+    """An ordered stream of collectives on a communicator of its own, issued by one thread at a time.
 
-    Args:
-      num_local_replicas: replicas this process drives; every rank says how many it has.
+    Collectives on one communicator must be issued in the same order on every rank; the training loop and the
+    input pipeline's thread each get a channel, so their collectives cannot interleave differently on two ranks.
     """
 
-    def __init__(self, num_local_replicas: int):
-        MPI = self.MPI = import_mpi()
+    def __init__(self, group: "ProcessGroup", name: str):
+        MPI = group.MPI
+        self.group, self.name = group, name
         self.comm = MPI.COMM_WORLD.Dup()
         self._announcements = MPI.COMM_WORLD.Dup()
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        # small Python objects, once: where every rank runs and how many replicas it drives
-        peers = self.comm.allgather((socket.gethostname(), os.getpid(), int(num_local_replicas)))
-        self.hosts, self.pids, self.replica_counts = (tuple(column) for column in zip(*peers))
-        self.first_replica = sum(self.replica_counts[:self.rank])
-        self.num_replicas = sum(self.replica_counts)
-        self.broken: BaseException | None = None
         self._sequence = 0
-        self._seen = [0] * self.size
+        self._seen = [0] * group.size
         self._sends: list[tuple[Any, np.ndarray]] = []
         self._lock = threading.Lock()
-        _GROUPS.add(self)
-        _install_handlers()
-
-    # -- collectives -----------------------------------------------------------------------------------
 
     def run(self, what: str, start: Any, timeout: float | None) -> None:
         """Announces collective `what` to the peers, starts it (`start()` returns MPI requests), waits for it."""
         with self._lock:
-            self._check_usable(what)
+            self.group.check_usable(what)
             self._sequence += 1
             self._announce()
             requests = start()
             self._wait(requests, what, timeout)
 
-    def barrier(self, timeout: float | None = None) -> None:
-        """Returns once every rank has reached the barrier; raises like any collective otherwise."""
-        self.run("barrier", lambda: [self.comm.Ibarrier()], timeout)
-
-    def _check_usable(self, what: str) -> None:
-        if self.broken is not None:
-            raise WorkerFailedError(f"{what} cannot run: this MPI job already failed. {self.broken}",
-                                    ranks=getattr(self.broken, "ranks", getattr(self.broken, "missing_ranks", ())))
-
     def _announce(self) -> None:
         stamp = np.array([self._sequence], np.int64)
-        for peer in range(self.size):
-            if peer != self.rank:
+        for peer in range(self.group.size):
+            if peer != self.group.rank:
                 self._sends.append((self._announcements.Isend(stamp, dest=peer, tag=_ANNOUNCE_TAG), stamp))
 
     def _collect_announcements(self) -> None:
-        MPI, status, stamp = self.MPI, self.MPI.Status(), np.zeros(1, np.int64)
+        MPI, status, stamp = self.group.MPI, self.group.MPI.Status(), np.zeros(1, np.int64)
         while self._announcements.Iprobe(source=MPI.ANY_SOURCE, tag=_ANNOUNCE_TAG, status=status):
             source = status.Get_source()
             self._announcements.Recv(stamp, source=source, tag=_ANNOUNCE_TAG)
             self._seen[source] = max(self._seen[source], int(stamp[0]))
-        if self._sends and self.MPI.Request.Testall([request for request, _ in self._sends]):
+        if self._sends and MPI.Request.Testall([request for request, _ in self._sends]):
             self._sends.clear()
 
     def _wait(self, requests: Sequence[Any], what: str, timeout: float | None) -> None:
-        Testall = self.MPI.Request.Testall
+        Testall, group = self.group.MPI.Request.Testall, self.group
         if Testall(requests):
             self._collect_announcements()
             return
@@ -112,18 +93,70 @@ class ProcessGroup:
             waited = time.monotonic() - begin
             if waited > limit:
                 self._collect_announcements()
-                missing = tuple(r for r in range(self.size) if r != self.rank and self._seen[r] < self._sequence)
-                self.broken = DeadlineExceededError(
-                    f"{what} across processes timed out after {limit:g} s: {self.describe(missing) or 'no rank'} "
-                    f"never reached it (collective #{self._sequence} of this job). A rank "
-                    f"that stalls, crashes or skips a collective stops the job; raise "
-                    f"CommunicationOptions(timeout_seconds=...) if the work is just slow. Restart the job; `--resume` "
-                    f"continues from the last checkpoint.",
-                    operation=what, missing_ranks=missing, missing_replicas=self.replicas_of(missing))
-                raise self.broken
+                missing = tuple(r for r in range(group.size) if r != group.rank and self._seen[r] < self._sequence)
+                group.broken = DeadlineExceededError(
+                    f"{what} across processes timed out after {limit:g} s: {group.describe(missing) or 'no rank'} "
+                    f"never reached it (collective #{self._sequence} of the job's {self.name}). A rank that stalls, "
+                    f"crashes or skips a collective stops the job; raise CommunicationOptions(timeout_seconds=...) "
+                    f"if the work is just slow. Restart the job; `--resume` continues from the last checkpoint.",
+                    operation=what, missing_ranks=missing, missing_replicas=group.replicas_of(missing))
+                raise group.broken
             if waited > _SPIN_SECONDS:
-                time.sleep(0.0002)
+                time.sleep(0.0005)
         self._collect_announcements()
+
+
+class ProcessGroup:
+    """This process's place among the ranks of the MPI job, and their replicas.
+
+    Collectives go through `run` (the strategy's, issued from the thread that runs merges); the input
+    pipeline's thread uses `any_rank_has` on a channel of its own.
+
+    Args:
+      num_local_replicas: replicas this process drives; every rank says how many it has.
+    """
+
+    def __init__(self, num_local_replicas: int):
+        MPI = self.MPI = import_mpi()
+        world = MPI.COMM_WORLD
+        self.rank, self.size = world.Get_rank(), world.Get_size()
+        # small Python objects, once: where every rank runs and how many replicas it drives
+        peers = world.allgather((socket.gethostname(), os.getpid(), int(num_local_replicas)))
+        self.hosts, self.pids, self.replica_counts = (tuple(column) for column in zip(*peers))
+        self.first_replica = sum(self.replica_counts[:self.rank])
+        self.num_replicas = sum(self.replica_counts)
+        self.broken: BaseException | None = None
+        self._collectives, self._input = Channel(self, "collectives"), Channel(self, "input checks")
+        self.comm = self._collectives.comm  # the communicator `run`'s collectives use
+        _GROUPS.add(self)
+        _install_handlers()
+
+    def run(self, what: str, start: Any, timeout: float | None) -> None:
+        """Runs collective `what` on `comm`: `start()` issues it and returns its MPI requests; waits for them.
+
+        Raises:
+          DeadlineExceededError: naming the ranks that never reached it within `timeout` seconds.
+          WorkerFailedError: the job already failed.
+        """
+        self._collectives.run(what, start, timeout)
+
+    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
+        """Returns once every rank has reached the barrier; raises like any collective otherwise."""
+        self.run(what, lambda: [self.comm.Ibarrier()], timeout)
+
+    def any_rank_has(self, flag: bool, timeout: float | None = None) -> bool:
+        """Whether `flag` is true on any rank (the input pipeline's end-of-data vote), on the input channel."""
+        mine, anywhere = np.array([int(flag)], np.int32), np.zeros(1, np.int32)
+        channel = self._input
+        channel.run("the end-of-input check", lambda: [channel.comm.Iallreduce(mine, anywhere, self.MPI.MAX)],
+                    timeout)
+        return bool(anywhere[0])
+
+    def check_usable(self, what: str) -> None:
+        """Raises WorkerFailedError once the job has failed: no collective could complete."""
+        if self.broken is not None:
+            raise WorkerFailedError(f"{what} cannot run: this MPI job already failed. {self.broken}",
+                                    ranks=getattr(self.broken, "ranks", getattr(self.broken, "missing_ranks", ())))
 
     # -- naming ----------------------------------------------------------------------------------------
 

@@ -110,8 +110,17 @@ class RichProgress(PlainProgress):
         self._bars.remove_task(self._task)
 
 
-def progress_display() -> PlainProgress:
-    """Rich bars on a terminal, else plain lines; says once when rich is missing."""
+class SilentProgress(PlainProgress):
+    """Nothing at all: the non-chief processes of a multi-worker job leave the display to the chief."""
+
+    def end_epoch(self, test_accuracy: float) -> None:
+        pass
+
+
+def progress_display(quiet: bool = False) -> PlainProgress:
+    """Rich bars on a terminal, else plain lines; says once when rich is missing; nothing when `quiet`."""
+    if quiet:
+        return SilentProgress()
     if importlib.util.find_spec("rich") is None:
         print("distrib train: rich is not installed, so no progress bar (pip install 'distrib[train]').",
               file=sys.stderr)

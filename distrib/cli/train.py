@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 import tempfile
 import time
@@ -23,13 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from distrib.backends import get_backend
+from distrib.backends import detect, get_backend
 from distrib.checkpoint import Checkpoint
 from distrib.cli.model import MLP
 from distrib.cli.progress import History, plot_history, progress_display
 from distrib.datasets import DIGITS_CLASSES, load_digits
 from distrib.errors import BackendUnavailableError, CheckpointError
+from distrib.cluster_resolver import mpi_environment
 from distrib.mirrored import MirroredStrategy
+from distrib.multi_worker import MultiWorkerMirroredStrategy
 from distrib.optimizers import SGD, Adam
 from distrib.strategy import Strategy
 from distrib.variables import Variable
@@ -102,6 +105,7 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
     # `run` (metadata) records what a resumed run must match: the model's shape and the optimizer's slots
     checkpoint = Checkpoint(optimizer=optimizer, epoch=epoch, run=run_signature(args), **model.variables)
     checkpoint_path, history_path = args.out / "ckpt", args.out / "history.json"
+    chief = strategy.extended.should_checkpoint  # in a multi-worker job, rank 0 alone shows and writes
     history = History()
     if args.resume:
         checkpoint.restore(checkpoint_path)
@@ -124,7 +128,7 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
     steps_per_epoch = len(x_train) // args.global_batch_size
     trained_samples, training_seconds = 0, 0.0
     saved = str(checkpoint_path)
-    with progress_display() as progress:
+    with progress_display(quiet=not chief) as progress:
         for epoch_index in range(int(epoch.numpy()), args.epochs):
             progress.start_epoch(epoch_index, args.epochs, steps_per_epoch)
             batches = epoch_batches(x_train, y_train, args.global_batch_size, args.seed, epoch_index)
@@ -138,16 +142,17 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
             trained_samples += epoch_samples
             history.end_epoch(evaluate())
             epoch.assign(np.int64(epoch_index + 1))
-            history.save(history_path)  # before the checkpoint, so a crash between the two loses nothing
+            if chief:
+                history.save(history_path)  # before the checkpoint, so a crash between the two loses nothing
             saved = checkpoint.save(checkpoint_path)
             progress.end_epoch(history.test_accuracy[-1])
 
     accuracy = history.test_accuracy[-1] if history.test_accuracy else evaluate()
     plot = None
-    if importlib.util.find_spec("matplotlib") is None:
+    if chief and importlib.util.find_spec("matplotlib") is None:
         print("distrib train: matplotlib is not installed, so no loss-curve PNG (pip install 'distrib[train]').",
               file=sys.stderr)
-    elif history.step_loss:
+    elif chief and history.step_loss:
         plot = args.out / "loss.png"
         plot_history(history, plot)
     return Result(accuracy, int(epoch.numpy()), time.perf_counter() - start,
@@ -244,7 +249,7 @@ def prepare_out(args: argparse.Namespace) -> None:
                          f"{str(out)!r} ({exc.strerror or exc}).") from None
     if args.overwrite:
         for name in present:
-            (out / name).unlink()
+            (out / name).unlink(missing_ok=True)  # another process of the job may have removed it first
 
 
 def replica_devices(replicas: int | None, available: tuple[str, ...]) -> list[str] | None:
@@ -261,9 +266,19 @@ def replica_devices(replicas: int | None, available: tuple[str, ...]) -> list[st
 
 
 def make_strategy(args: argparse.Namespace) -> Strategy:
-    """The MirroredStrategy `--replicas` asks for; ValueError if the batch or precision cannot run on it."""
-    devices = None if args.replicas is None else replica_devices(args.replicas, get_backend().default_devices())
-    strategy = MirroredStrategy(devices)
+    """The MirroredStrategy `--replicas` asks for, or under `mpirun -np N` (N > 1) a MultiWorkerMirroredStrategy
+    with `--replicas` emulated replicas per process; ValueError if the batch or precision cannot run on it."""
+    launched = mpi_environment()
+    if launched is not None and launched[2] > 1:
+        if args.replicas is not None:
+            if detect() != "cpu":
+                raise ValueError("--replicas sets the emulated replicas of each process; under mpirun on GPUs each "
+                                 f"process drives its share of the host's GPUs. Received: --replicas {args.replicas}.")
+            os.environ["DISTRIB_CPU_REPLICAS"] = str(args.replicas)
+        strategy = MultiWorkerMirroredStrategy()
+    else:
+        devices = None if args.replicas is None else replica_devices(args.replicas, get_backend().default_devices())
+        strategy = MirroredStrategy(devices)
     replicas = strategy.num_replicas_in_sync
     if args.global_batch_size % replicas:
         raise ValueError(f"--global-batch-size must divide evenly over the {replicas} replicas, so that every "
@@ -288,15 +303,18 @@ def main(argv: list[str] | None = None) -> int:
         args.learning_rate = DEFAULT_LEARNING_RATES[args.optimizer]
     if args.optimizer == "sgd" and args.momentum is None:
         args.momentum = 0.9
-    print(f"{strategy!r}: {strategy.num_replicas_in_sync} replicas, global batch {args.global_batch_size}, "
-          f"{args.optimizer} lr {args.learning_rate}, {args.precision}")
+    chief = strategy.extended.should_checkpoint  # under mpirun, rank 0 alone reports
+    if chief:
+        print(f"{strategy!r}: {strategy.num_replicas_in_sync} replicas, global batch {args.global_batch_size}, "
+              f"{args.optimizer} lr {args.learning_rate}, {args.precision}")
     try:
         result = train(args, strategy)
     except CheckpointError as exc:  # a checkpoint that passed check_resume but does not fit the model
         if not args.resume:
             raise
         parser.error(f"--resume: {exc}")
-    print(f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epochs; {result.seconds:.1f} s, "
-          f"{result.samples_per_second:,.0f} samples/s")
-    print(f"checkpoint {result.checkpoint}" + (f", loss curve {result.plot}" if result.plot else ""))
+    if chief:
+        print(f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epochs; {result.seconds:.1f} s, "
+              f"{result.samples_per_second:,.0f} samples/s")
+        print(f"checkpoint {result.checkpoint}" + (f", loss curve {result.plot}" if result.plot else ""))
     return 0

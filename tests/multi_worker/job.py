@@ -1,6 +1,8 @@
-"""Run under `mpirun -np 2` with 2 emulated replicas per process: API checks, conformance, training, checkpoint.
+"""Run under `mpirun -np 2` with 2 emulated replicas per process: API checks, conformance, training, checkpoint,
+and `distrib train`.
 
-Rank 0 writes what it saw to the JSON file named by argv[1]; tests/test_multi_worker.py reads it.
+Rank 0 writes what it saw to the JSON file named by argv[1]; argv[2] is the training checkpoint, argv[3] the
+`distrib train --out` folder. tests/test_multi_worker.py reads them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 import distrib
-from distrib.values import flatten, map_structure
+from distrib.values import map_structure
 
 sys.path[:0] = [str(pathlib.Path(__file__).parent), str(pathlib.Path(__file__).parents[1])]
 import training  # noqa: E402
@@ -86,9 +88,8 @@ class OnAllWorkers:
 
         def local_results_of_every_process(value):
             local = distrib.MultiWorkerMirroredStrategy.experimental_local_results(job, value)
-            if not any(isinstance(leaf, (distrib.DistributedValues, distrib.DistributedVariable))
-                       for leaf in flatten(value)[0]):
-                return local  # a plain value: one result, as in one process
+            if len(local) != len(job.extended.worker_devices):
+                return local  # a value on some devices only (reduce_to onto one): as in one process
             return tuple(everywhere(map_structure(lambda leaf: np.asarray(leaf.numpy() if hasattr(leaf, "numpy")
                                                                           else leaf), list(local))))
 
@@ -117,6 +118,11 @@ for path in CASES:
     except AssertionError as exc:
         conformance[path.stem] = f"differs: {exc}"
 report["conformance"] = conformance
+
+# -- the main job, as `mpirun -np 2 distrib train` runs it --------------------------------------------------------
+from distrib.cli.train import main as distrib_train  # noqa: E402
+
+report["distrib_train"] = distrib_train(["--epochs", "1", "--out", sys.argv[3], "--seed", "3"])
 
 if comm.rank == 0:
     pathlib.Path(sys.argv[1]).write_text(json.dumps(report, default=lambda a: np.asarray(a).tolist()))
