@@ -350,12 +350,17 @@ class MirroredStrategy(Strategy):
         elif not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as distrib.NcclAllReduce(). Received: "
                             f"{type(cross_device_ops).__name__}.")
-        if communication_options is None:
-            communication_options = CommunicationOptions()
-        elif not isinstance(communication_options, CommunicationOptions):
-            raise TypeError(f"communication_options must be a CommunicationOptions. Received: "
-                            f"{type(communication_options).__name__}.")
+        communication_options = checked_communication_options(communication_options)
         super().__init__(MirroredExtended(self, backend, devices, cross_device_ops, communication_options))
+
+
+def checked_communication_options(options: CommunicationOptions | None) -> CommunicationOptions:
+    """`options`, or the defaults for None; TypeError for anything else."""
+    if options is None:
+        return CommunicationOptions()
+    if not isinstance(options, CommunicationOptions):
+        raise TypeError(f"communication_options must be a CommunicationOptions. Received: {type(options).__name__}.")
+    return options
 
 
 def _resolve_devices(devices: Sequence[str] | None) -> tuple[Backend, tuple[str, ...]]:

@@ -16,7 +16,7 @@ from distrib.backends import get_multi_process_backend
 from distrib.cluster_resolver import ClusterResolver, MPIClusterResolver
 from distrib.cross_device_ops import CollectiveAllReduce
 from distrib.input.contexts import InputWorkers
-from distrib.mirrored import MirroredExtended
+from distrib.mirrored import MirroredExtended, checked_communication_options
 from distrib.options import CommunicationOptions, ReduceOp
 from distrib.strategy import Strategy
 from distrib.values import Mirrored, is_zero_scalar, local_components, map_structure
@@ -103,11 +103,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         elif not isinstance(cluster_resolver, ClusterResolver):
             raise TypeError(f"cluster_resolver must be a distrib cluster resolver such as MPIClusterResolver(). "
                             f"Received: {type(cluster_resolver).__name__}.")
-        if communication_options is None:
-            communication_options = CommunicationOptions()
-        elif not isinstance(communication_options, CommunicationOptions):
-            raise TypeError(f"communication_options must be a CommunicationOptions. Received: "
-                            f"{type(communication_options).__name__}.")
+        communication_options = checked_communication_options(communication_options)
         backend = get_multi_process_backend()
         group = backend.group
         tasks = sum(len(t) for job, t in cluster_resolver.cluster_spec().items() if job in ("chief", "worker"))

@@ -78,6 +78,10 @@ class NcclCollectives:
             self._divide(outputs, ordinals, len(flats))
         return self._cast(outputs, ordinals, flats[0].dtype.name) if plan.cast else outputs
 
+    def _gathered_count(self, local: int) -> int:
+        """How many devices' arrays an all-gather collects: the `local` ones (across processes: every one)."""
+        return local
+
     def _divide(self, outputs: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int) -> None:
         """Divides each device's output in place by `divisor`, as NumPy rounds (the reduce kernel)."""
         wire = cuda_dtypes.kernel_wire(outputs[0].dtype.name, "all_reduce")
@@ -87,7 +91,7 @@ class NcclCollectives:
 
     def all_gather(self, flats, devices, *, timeout=None):
         ordinals = self._flats_on("all_gather", flats, devices)
-        size = flats[0].size * len(flats)
+        size = flats[0].size * self._gathered_count(len(flats))
         if len(set(ordinals)) < len(ordinals):
             gathered = {}
             for ordinal in dict.fromkeys(ordinals):

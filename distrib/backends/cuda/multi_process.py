@@ -107,17 +107,8 @@ class MultiProcessCudaBackend(CudaBackend):
         outputs = super().all_reduce(flats, chunks, devices, False, timeout=timeout)
         return self._divide(outputs) if mean else outputs
 
-    def all_gather(self, flats, devices, *, timeout=None):
-        ordinals = self._flats_on("all_gather", flats, devices)
-        outputs = self._like(flats, ordinals, flats[0].size * self.group.num_replicas)
-        nbytes = flats[0].nbytes
-
-        def launch(rank, comm, stream):
-            comm.allGather(flats[rank].data.ptr, outputs[rank].data.ptr, nbytes, cuda_dtypes.BYTES, stream)
-
-        if nbytes:
-            self._group("all_gather", ordinals, launch, timeout)
-        return outputs
+    def _gathered_count(self, local: int) -> int:
+        return self.group.num_replicas
 
     def reduce_scatter(self, flats, devices, *, timeout=None):
         # via a whole all-reduce: simple and correct; RING plans across processes are rare
