@@ -18,11 +18,19 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # benchmark the checkout this file belongs to, installed or not
 
 import distrib  # noqa: E402
+from distrib.backends.parallel import usable_cores  # noqa: E402
 from measure import BATCH_COUNT, BATCH_ELEMENTS, VECTOR_ELEMENTS, WORKLOADS, per_step_us  # noqa: E402
 
 TARGET_REPLICAS = 4
-# workload -> (measure compared with the limit, limit); floor ratios use the plain-sums floor
-TARGETS = {"allreduce_1m": ("ratio", 2.0), "batch_200x1000": ("ratio", 3.0), "empty_merge_call": ("us", 300.0)}
+SCALING_WORKLOAD = "allreduce_1m"
+
+
+def targets_for(cores: int) -> list[tuple[str, str, float]]:
+    """(workload, measure, limit) at TARGET_REPLICAS: "ratio" (distrib / floor) and "us" at most the limit;
+    "x_eager" and "x_function" (TensorFlow's time / distrib's) at least the limit."""
+    return [("allreduce_1m", "ratio", 0.6 if cores >= 4 else 1.0), ("allreduce_1m", "x_eager", 5.0),
+            ("allreduce_1m", "x_function", 2.0), ("batch_200x1000", "ratio", 3.0),
+            ("batch_200x1000", "x_function", 20.0), ("empty_merge_call", "us", 100.0)]
 
 
 def all_reduce_step(x):
@@ -107,14 +115,21 @@ def run_tf_peer(tf_python: str, repeats: int, min_seconds: float) -> dict:
     return json.loads(done.stdout)
 
 
-def evaluate_targets(results: dict) -> list[dict]:
+def evaluate_targets(results: dict, tf: dict, cores: int) -> list[dict]:
     at_target = results.get(TARGET_REPLICAS, {})
     targets = []
-    for name, (measure, limit) in TARGETS.items():
+    for name, measure, limit in targets_for(cores):
         row = at_target.get(name)
-        value = None if row is None else row["ratio" if measure == "ratio" else "distrib_us"]
-        targets.append({"workload": name, "replicas": TARGET_REPLICAS, "measure": measure, "limit": limit,
-                        "value": value, "passed": None if value is None else value <= limit})
+        value = None
+        if row is not None and measure in ("ratio", "us"):
+            value = row["ratio" if measure == "ratio" else "distrib_us"]
+        elif row is not None and "note" not in tf:
+            tf_us = tf["eager_us" if measure == "x_eager" else "function_us"][name]
+            value = round(tf_us / row["distrib_us"], 2)
+        at_most = measure in ("ratio", "us")
+        passed = None if value is None else value <= limit if at_most else value >= limit
+        targets.append({"workload": name, "replicas": TARGET_REPLICAS, "cores": cores, "measure": measure,
+                        "limit": limit, "value": value, "passed": passed})
     return targets
 
 
@@ -128,7 +143,8 @@ def compare_with_tf(results: dict, tf: dict) -> list[dict]:
 
 
 def machine_info(load_at_start: float) -> dict:
-    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+    return {"platform": platform.platform(), "cpu_count": os.cpu_count(), "usable_cores": usable_cores(),
+            "python": platform.python_version(),
             "numpy": np.__version__, "load_average_1m_at_start": load_at_start}
 
 
@@ -171,24 +187,28 @@ def fmt_ratio(value: float | None) -> str:
 
 
 def target_row(target: dict) -> list[str]:
-    limit, value = target["limit"], target["value"]
-    if target["measure"] == "ratio":
+    limit, value, measure = target["limit"], target["value"], target["measure"]
+    if measure == "ratio":
         goal, measured = f"ratio <= {limit:g}x", fmt_ratio(value)
+    elif measure == "us":
+        goal, measured = f"<= {limit:g} µs", fmt_us(value)
     else:
-        goal, measured = f"< {limit:g} µs", fmt_us(value)
+        mode = "eager" if measure == "x_eager" else "tf.function"
+        goal, measured = f">= {limit:g}x faster than TF {mode}", fmt_ratio(value)
     result = "-" if target["passed"] is None else "PASS" if target["passed"] else "FAIL"
-    return [target["workload"], goal, measured, result]
+    return [target["workload"], str(target["cores"]), goal, measured, result]
 
 
-def report(results: dict, tf: dict, targets: list[dict], versus_tf: list[dict]) -> None:
+def report(results: dict, tf: dict, targets: list[dict], versus_tf: list[dict], scaling: list[dict],
+           cores: int) -> None:
     tf_columns = "note" not in tf
-    header = ["workload", "replicas", "distrib µs", "floor µs", "floor+copies µs", "ratio"]
+    header = ["workload", "replicas", "cores", "distrib µs", "floor µs", "floor+copies µs", "ratio"]
     header += ["TF eager µs", "TF tf.function µs"] if tf_columns else []
     rows = []
     for name in WORKLOADS:
         for replicas, by_workload in results.items():
             row = by_workload[name]
-            line = [name, str(replicas), fmt_us(row["distrib_us"]), fmt_us(row["floor_us"]),
+            line = [name, str(replicas), str(cores), fmt_us(row["distrib_us"]), fmt_us(row["floor_us"]),
                     fmt_us(row["floor_copies_us"]), fmt_ratio(row["ratio"])]
             if tf_columns:
                 at_peer = replicas == tf["replicas"]
@@ -201,10 +221,17 @@ def report(results: dict, tf: dict, targets: list[dict], versus_tf: list[dict]) 
     if not tf_columns:
         print(f"TensorFlow columns skipped: {tf['note']}")
 
-    show(f"Targets at {TARGET_REPLICAS} replicas", ["workload", "target", "measured", "result"],
+    if scaling:
+        one = scaling[0]["distrib_us"]
+        show(f"{SCALING_WORKLOAD} at {TARGET_REPLICAS} replicas on 1 to {cores} cores (CPU affinity)",
+             ["cores", "distrib µs", "floor µs", "ratio", "speed-up over 1 core"],
+             [[str(r["cores"]), fmt_us(r["distrib_us"]), fmt_us(r["floor_us"]), fmt_ratio(r["ratio"]),
+               fmt_ratio(one / r["distrib_us"])] for r in scaling],
+             "floor = the single-threaded plain sums, measured under the same affinity.")
+    show(f"Targets at {TARGET_REPLICAS} replicas", ["workload", "cores", "target", "measured", "result"],
          [target_row(t) for t in targets])
     if versus_tf:
-        show(f"distrib vs TensorFlow {tf['tensorflow']} at {TARGET_REPLICAS} replicas",
+        show(f"distrib vs TensorFlow {tf['tensorflow']} at {TARGET_REPLICAS} replicas, {cores} cores",
              ["workload", "TF mode", "distrib µs", "TF µs", "distrib faster"],
              [[c["workload"], c["mode"], fmt_us(c["distrib_us"]), fmt_us(c["tf_us"]),
                f"yes ({c['tf_us'] / c['distrib_us']:.2f}x)" if c["distrib_faster"]
@@ -213,6 +240,45 @@ def report(results: dict, tf: dict, targets: list[dict], versus_tf: list[dict]) 
         print(f"distrib faster than TensorFlow on every workload, eager and tf.function: {verdict}")
     elif tf_columns:
         print(f"No comparison with TensorFlow: it runs on {tf['replicas']} replicas, which --replicas leaves out.")
+
+
+def scaling_core_counts(cores: int) -> list[int]:
+    """1, 2, 4, ... below `cores`, then `cores` itself."""
+    counts = [1]
+    while counts[-1] * 2 < cores:
+        counts.append(counts[-1] * 2)
+    return counts + ([cores] if cores > 1 else [])
+
+
+def measure_scaling(cores: int, quick: bool) -> list[dict]:
+    """SCALING_WORKLOAD at TARGET_REPLICAS in a fresh process pinned to 1, 2, 4, ... cores, with its floor."""
+    if not hasattr(os, "sched_setaffinity"):
+        return []
+    allowed = sorted(os.sched_getaffinity(0))
+    rows = []
+    for count in scaling_core_counts(cores):
+        command = [sys.executable, str(Path(__file__).resolve()), "--scaling-child"] + (["--quick"] if quick else [])
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                              preexec_fn=lambda count=count: os.sched_setaffinity(0, allowed[:count]))
+        if done.returncode != 0:
+            raise SystemExit(f"the {count}-core scaling run failed: {done.stderr.strip()[-2000:]}")
+        row = json.loads(done.stdout)
+        rows.append({"cores": count, **row, "ratio": round(row["distrib_us"] / row["floor_us"], 3)})
+    return rows
+
+
+def scaling_child(quick: bool) -> None:
+    """Prints SCALING_WORKLOAD's distrib and floor µs at TARGET_REPLICAS as JSON (run under a CPU affinity)."""
+    repeats, min_seconds = (3, 0.05) if quick else (7, 0.2)
+    strategy = distrib.MirroredStrategy([f"CPU:{i}" for i in range(TARGET_REPLICAS)])
+    vector = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full(VECTOR_ELEMENTS, ctx.replica_id_in_sync_group + 1, np.float32))
+    check_sums(strategy, strategy.run(all_reduce_step, args=(vector,)))
+    parts = list(strategy.experimental_local_results(vector))
+    outs = [np.empty(VECTOR_ELEMENTS, np.float32) for _ in parts]
+    print(json.dumps({"distrib_us": per_step_us(partial(strategy.run, all_reduce_step, args=(vector,)), repeats,
+                                                min_seconds),
+                      "floor_us": per_step_us(partial(sum_into, parts, outs, False), repeats, min_seconds)}))
 
 
 def parse_replicas(text: str) -> list[int]:
@@ -229,7 +295,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 short repeats instead of 7 of ~0.2 s")
     parser.add_argument("--json", type=Path, default=BENCH / "results" / f"strategy-{today}-cpu.json")
     parser.add_argument("--tf-python", help="python of a TensorFlow environment, to run tf_peer.py under")
+    parser.add_argument("--no-scaling", action="store_true", help="skip the 1-to-all-cores runs")
+    parser.add_argument("--scaling-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.scaling_child:
+        scaling_child(args.quick)
+        return
+    cores = usable_cores()
     repeats, min_seconds = (3, 0.05) if args.quick else (7, 0.2)
     load_at_start = round(os.getloadavg()[0], 2)
     if load_at_start > 0.5:  # on a machine with few cores other work inflates every number below
@@ -244,9 +316,13 @@ def main() -> None:
     else:
         print(f"measuring TensorFlow's MirroredStrategy under {args.tf_python}...", file=sys.stderr)
         tf = run_tf_peer(args.tf_python, repeats, min_seconds)
-    targets = evaluate_targets(results)
+    scaling = []
+    if not args.no_scaling:
+        print(f"measuring {SCALING_WORKLOAD} on 1 to {cores} cores...", file=sys.stderr)
+        scaling = measure_scaling(cores, args.quick)
+    targets = evaluate_targets(results, tf, cores)
     versus_tf = compare_with_tf(results, tf)
-    report(results, tf, targets, versus_tf)
+    report(results, tf, targets, versus_tf, scaling, cores)
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
@@ -255,9 +331,9 @@ def main() -> None:
         "settings": {"repeats": repeats, "min_seconds_per_repeat": min_seconds, "statistic": "median",
                      "vector_elements": VECTOR_ELEMENTS, "batch_count": BATCH_COUNT, "batch_elements": BATCH_ELEMENTS,
                      "ratio": "distrib_us / floor_us (plain sums, no copies)"},
-        "results": [{"workload": name, "replicas": replicas, **rows[name]}
+        "results": [{"workload": name, "replicas": replicas, "cores": cores, **rows[name]}
                     for name in WORKLOADS for replicas, rows in results.items()],
-        "targets": targets, "tensorflow": tf, "versus_tensorflow": versus_tf,
+        "scaling": scaling, "targets": targets, "tensorflow": tf, "versus_tensorflow": versus_tf,
     }, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)
 
