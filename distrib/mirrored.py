@@ -226,7 +226,7 @@ class MirroredExtended(StrategyExtended):
                     break
                 if any(s == DONE for s in run.status):
                     raise MergeCallMismatchError(_count_mismatch(run))
-                self._merge(run)
+                self._merge(run, threads)
                 run.begin_phase()
                 for worker in threads:
                     worker.go.release()
@@ -260,7 +260,7 @@ class MirroredExtended(StrategyExtended):
                 f"CommunicationOptions(timeout_seconds=...) or $DISTRIB_COLLECTIVE_TIMEOUT if the work is "
                 f"just slow.", missing_replicas=missing, operation=kind)
 
-    def _merge(self, run: _Run) -> None:
+    def _merge(self, run: _Run, threads: list[_ReplicaThread]) -> None:
         kinds = [r[0] for r in run.requests]
         if len(set(kinds)) > 1:
             detail = ", ".join(f"replica {i}: {k}" for i, k in enumerate(kinds))
@@ -268,7 +268,7 @@ class MirroredExtended(StrategyExtended):
                                          f"replica must call them in the same order. Received: {detail}.")
         merge = run.requests[0][1]
         try:
-            with context.frame(self._container_strategy, None), lend(ReplicaTeam(self._threads)), \
+            with context.frame(self._container_strategy, None), lend(ReplicaTeam(threads)), \
                     timeline.span(kinds[0], "merge_call"):
                 results = merge([r[2] for r in run.requests])
         except BaseException as exc:

@@ -122,3 +122,18 @@ def test_an_error_in_a_replica_threads_share_reaches_the_caller_and_the_strategy
 def test_a_team_runs_at_most_one_task_per_thread():
     with pytest.raises(ValueError, match="^A team of 1 threads runs at most 1 tasks"):
         ReplicaTeam([]).run([lambda: None, lambda: None])
+
+
+def test_a_run_inside_a_merge_fn_shares_its_collectives_with_its_own_threads(strategy):
+    values = replica_values(strategy)
+
+    def inner(x):
+        return distrib.get_replica_context().all_reduce("SUM", x)
+
+    def step():
+        return distrib.get_replica_context().merge_call(lambda s: s.run(inner, args=(values,)))
+
+    result = strategy.run(step)
+    expected = in_device_order(strategy.experimental_local_results(values))
+    for array in strategy.experimental_local_results(result):
+        np.testing.assert_array_equal(array, expected, strict=True)
