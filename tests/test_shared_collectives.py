@@ -137,3 +137,17 @@ def test_a_run_inside_a_merge_fn_shares_its_collectives_with_its_own_threads(str
     expected = in_device_order(strategy.experimental_local_results(values))
     for array in strategy.experimental_local_results(result):
         np.testing.assert_array_equal(array, expected, strict=True)
+
+
+def test_a_shared_batched_all_reduce_packs_and_sums_bit_for_bit(strategy):
+    def make(ctx):
+        rng = np.random.default_rng(ctx.replica_id_in_sync_group)
+        return [(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4, size)).astype(np.float32)
+                for size in (LARGE // 3, 17, LARGE // 2)]
+
+    values = strategy.experimental_distribute_values_from_function(make)
+    result = strategy.run(lambda xs: distrib.get_replica_context().all_reduce("SUM", xs), args=(values,))
+    columns = list(zip(*strategy.experimental_local_results(values)))
+    for arrays in strategy.experimental_local_results(result):
+        for array, column in zip(arrays, columns):
+            np.testing.assert_array_equal(array, in_device_order(column), strict=True)

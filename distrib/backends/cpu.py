@@ -13,7 +13,7 @@ import numpy as np
 
 from distrib.backends.base import Backend
 from distrib.backends.packed import execute_pack_by_pack
-from distrib.backends.parallel import run_shares
+from distrib.backends.parallel import run_shares, run_split
 from distrib.devices import parse_device
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, Buffer
@@ -226,7 +226,20 @@ class CpuBackend(Backend):
                 f"CommunicationImplementation.NCCL needs NCCL between GPUs, but this strategy runs on the CPU "
                 f"emulator. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices "
                 f"(pip install 'distrib[cuda12]' on a machine with NVIDIA GPUs).")
-        return execute_pack_by_pack(self, plan, per_device, devices, timeout)
+        return execute_pack_by_pack(self, plan, per_device, devices, timeout, self._pack_all)
+
+    def _pack_all(self, members, buffer, devices):
+        """Every device's pack at once, devices spread over the threads the strategy lends (replica r packs
+        its own values where there are enough threads)."""
+        if len(buffer.members) == 1:  # a view of the one value: nothing to copy
+            return [self.pack(arrays, buffer, device) for arrays, device in zip(members, devices)]
+        flats = [self._pool.empty((buffer.size,), buffer.dtype) for _ in devices]
+
+        def job(r):
+            return lambda: np.concatenate(members[r], axis=None, out=flats[r])
+
+        run_split([job(r) for r in range(len(devices))], buffer.nbytes * len(devices))
+        return flats
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         # Chunks only bound the calls of a real collective; every element's sum is the same without them.

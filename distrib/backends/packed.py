@@ -6,7 +6,7 @@ over every chunk of every buffer) as long as the results are the same.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from distrib.plan import HIERARCHICAL, RING, AllReducePlan, Buffer
 
@@ -16,9 +16,17 @@ if TYPE_CHECKING:  # pragma: no cover
 FLOAT_PREFIXES = ("float", "complex", "bfloat")
 
 
+PackAll = Callable[[Sequence[Sequence[Any]], Buffer, Sequence[str]], list]  # every device's members -> flats
+
+
 def execute_pack_by_pack(backend: "Backend", plan: AllReducePlan, per_device: Sequence[Sequence[Any]],
-                         devices: Sequence[str], timeout: float | None) -> list[list[Any]]:
-    """`Backend.execute`, one buffer at a time: pack, move each chunk as `plan.method` says, unpack."""
+                         devices: Sequence[str], timeout: float | None,
+                         pack_all: PackAll | None = None) -> list[list[Any]]:
+    """`Backend.execute`, one buffer at a time: pack, move each chunk as `plan.method` says, unpack.
+
+    `pack_all(members_per_device, buffer, devices)` packs every device's members at once (default: one
+    `backend.pack` per device in turn).
+    """
     devices = list(devices)
     results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
     first_chunk = 0
@@ -26,7 +34,11 @@ def execute_pack_by_pack(backend: "Backend", plan: AllReducePlan, per_device: Se
         indices = [m.index for m in buffer.members]
         # integer MEAN is SUM then true division, so 1..4 averages to 2.5 as in TensorFlow
         float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
-        flats = [backend.pack([values[i] for i in indices], buffer, device) for values, device in zip(per_device, devices)]
+        members = [[values[i] for i in indices] for values in per_device]
+        if pack_all is None:
+            flats = [backend.pack(arrays, buffer, device) for arrays, device in zip(members, devices)]
+        else:
+            flats = pack_all(members, buffer, devices)
         if plan.method == HIERARCHICAL:
             roots = plan.roots[first_chunk:first_chunk + len(buffer.chunks)]
             reduced = _hierarchical(backend, flats, buffer, devices, float_mean, roots)

@@ -71,6 +71,21 @@ def shares(length: int, itemsize: int, parts: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
+def run_split(jobs: Sequence[Callable[[], None]], nbytes: int) -> None:
+    """Runs independent `jobs` that move `nbytes` in all, spread over the lent team's threads if any."""
+    team = getattr(_lent, "team", None)
+    parts = 1 if team is None else max(1, min(team.size, usable_cores(), len(jobs), nbytes // MIN_SHARE_BYTES))
+    if parts == 1:
+        _run_all(jobs)
+    else:
+        team.run([lambda group=jobs[k::parts]: _run_all(group) for k in range(parts)])
+
+
+def _run_all(jobs: Sequence[Callable[[], None]]) -> None:
+    for job in jobs:
+        job()
+
+
 def run_shares(length: int, itemsize: int, body: Callable[[int, int], None]) -> None:
     """Calls `body(start, stop)` over ranges covering `length` elements, on the lent team's threads if any."""
     team = getattr(_lent, "team", None)
