@@ -13,7 +13,7 @@ import numpy as np
 
 from distrib.backends.base import Backend
 from distrib.backends.packed import execute_pack_by_pack
-from distrib.backends.parallel import run_shares, run_split
+from distrib.backends.parallel import MIN_SHARE_BYTES, run_shares, run_split
 from distrib.devices import parse_device
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, Buffer
@@ -231,7 +231,9 @@ class CpuBackend(Backend):
     def _pack_all(self, members, buffer, devices):
         """Every device's pack at once, devices spread over the threads the strategy lends (replica r packs
         its own values where there are enough threads)."""
-        if len(buffer.members) == 1:  # a view of the one value: nothing to copy
+        # One member is a view of it, nothing to copy; copies of small members (below ~64 KB on average)
+        # hold the GIL between members for too long to overlap, so those are packed on the merge thread.
+        if buffer.nbytes < len(buffer.members) * (MIN_SHARE_BYTES // 4):
             return [self.pack(arrays, buffer, device) for arrays, device in zip(members, devices)]
         flats = [self._pool.empty((buffer.size,), buffer.dtype) for _ in devices]
 
