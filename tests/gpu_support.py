@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+import distrib
 from distrib.backends.cpu import CpuBackend
 
 DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
@@ -46,3 +47,9 @@ def assert_same(actual: list[np.ndarray], expected: list[np.ndarray], exact: boo
             np.testing.assert_array_equal(a.reshape(-1).view(np.uint8), e.reshape(-1).view(np.uint8))  # bit for bit
         else:
             np.testing.assert_allclose(a.astype(np.complex128), e.astype(np.complex128), rtol=1e-2, atol=1e-2)
+
+
+def shared_gpu_and_emulator(replicas: int, **kwargs) -> dict[str, distrib.MirroredStrategy]:
+    """One strategy twice: `replicas` replicas sharing GPU:0 ("GPU"), and as many emulated devices ("CPU")."""
+    return {"GPU": distrib.MirroredStrategy(["GPU:0"] * replicas, **kwargs),
+            "CPU": distrib.MirroredStrategy([f"CPU:{i}" for i in range(replicas)], **kwargs)}

@@ -7,6 +7,7 @@ import pytest
 
 import distrib
 from distrib.backends import get_backend
+from gpu_support import shared_gpu_and_emulator
 
 pytestmark = pytest.mark.gpu
 
@@ -45,8 +46,7 @@ def test_prefetch_to_device_delivers_the_batches_ordered_on_the_device_stream(ba
 def test_distributed_dataset_on_the_gpu_matches_the_emulator():
     data = np.arange(40, dtype=np.float32).reshape(20, 2)
     batches = [data[i:i + 7] for i in range(0, 20, 7)]
-    gpu = distrib.MirroredStrategy(["GPU:0"] * 4)
-    cpu = distrib.MirroredStrategy([f"CPU:{i}" for i in range(4)])
+    gpu, cpu = shared_gpu_and_emulator(4).values()
     for on_gpu, on_cpu in zip(gpu.experimental_distribute_dataset(batches), cpu.experimental_distribute_dataset(batches)):
         for a, b in zip(gpu.experimental_local_results(on_gpu), cpu.experimental_local_results(on_cpu)):
             np.testing.assert_array_equal(cupy.asnumpy(a), b)

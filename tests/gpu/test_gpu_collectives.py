@@ -121,11 +121,10 @@ def test_cross_device_ops_on_a_shared_gpu_equal_the_emulator(op, reduce_op):
         return ctx.all_reduce(reduce_op, values)
 
     results = {}
-    for devices in (["GPU:0"] * 4, [f"CPU:{i}" for i in range(4)]):
-        strategy = distrib.MirroredStrategy(devices, cross_device_ops=op)
+    for kind, strategy in shared_gpu_and_emulator(4, cross_device_ops=op).items():
         out = strategy.run(step)
-        results[devices[0][:3]] = {k: [strategy.extended._backend.to_host(v) for v in
-                                       strategy.experimental_local_results(out[k])] for k in out}
+        results[kind] = {k: [strategy.extended._backend.to_host(v) for v in strategy.experimental_local_results(out[k])]
+                         for k in out}
     for key in results["CPU"]:
         assert_same(results["GPU"][key], results["CPU"][key], exact=True)
 

@@ -12,6 +12,7 @@ from distrib import optimizers
 from distrib.backends import get_backend
 from distrib.backends.cuda import kernels as cuda_kernels
 from distrib.variables import Variable
+from gpu_support import shared_gpu_and_emulator
 
 pytestmark = pytest.mark.gpu
 
@@ -123,17 +124,16 @@ def test_apply_gradients_launches_once_per_device_and_dtype_and_matches_the_cpu_
                                                              ((2, 2), np.float64), ((300,), np.float32)]]
     steps = [[rng.standard_normal(w.shape).astype(w.dtype) for w in initial] for _ in range(3)]
     results = {}
-    for devices in (["GPU:0"] * 2, ["CPU:0", "CPU:1"]):
-        strategy = distrib.MirroredStrategy(devices)
+    for kind, strategy in shared_gpu_and_emulator(2).items():
         with strategy.scope():
             variables = [distrib.Variable(w, name=f"w{k}") for k, w in enumerate(initial)]
             opt = OPTIMIZERS[rule]()
         for grads in steps:  # both replicas pass the same gradients: their mean is exact
             launches.clear()
             strategy.run(lambda: opt.apply_gradients(zip([g.copy() for g in grads], variables)))
-        results[devices[0]] = [[c.numpy() for c in v.values] for v in variables]
-        if devices[0] == "GPU:0":  # one launch per dtype for the one GPU both replicas share
+        results[kind] = [[c.numpy() for c in v.values] for v in variables]
+        if kind == "GPU":  # one launch per dtype for the one GPU both replicas share
             assert launches == {f"{rule}_float32": 1, f"{rule}_float16": 1, f"{rule}_float64": 1}
-    for gpu, cpu in zip(results["GPU:0"], results["CPU:0"]):
+    for gpu, cpu in zip(results["GPU"], results["CPU"]):
         for actual, expected in zip(gpu, cpu):
             np.testing.assert_array_equal(bits(actual), bits(expected))
