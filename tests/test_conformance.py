@@ -38,8 +38,6 @@ def load_case(path: pathlib.Path):
     return module
 
 
-_load = load_case  # the name tests/gpu/test_conformance_gpu.py calls
-
 
 def expected_result(path: pathlib.Path):
     """TensorFlow's recorded result for the case at `path` (cases/NAME.py beside expected/NAME.json)."""

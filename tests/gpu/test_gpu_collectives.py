@@ -9,12 +9,11 @@ import distrib
 from distrib.backends import get_backend
 from distrib.backends.cpu import CpuBackend
 from distrib.plan import plan_concat_split
-from gpu_support import DTYPES, FLOATS, assert_same, emulated, host, random
+from gpu_support import DTYPES, FLOATS, assert_same, emulated, host, random, shared_gpu_and_emulator
 
 pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
-import ml_dtypes  # noqa: E402,F401  (in distrib[test] and the cuda extras: a GPU run must not skip it)
 
 
 @pytest.fixture(scope="module")

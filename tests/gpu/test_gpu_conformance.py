@@ -6,28 +6,14 @@ same-device path, and the results must equal both TensorFlow's record and the CP
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import types
 
 import numpy as np
 import pytest
 
 import distrib
-
-
-def _runner():
-    """tests/test_conformance.py, whose cases, loader and comparison this file reuses."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "test_conformance.py"
-    spec = importlib.util.spec_from_file_location("conformance_runner", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_RUNNER = _runner()
-CASES, CONFORMANCE, assert_matches = _RUNNER.CASES, _RUNNER.CONFORMANCE, _RUNNER.assert_matches
+from test_conformance import CASES, _marked, assert_matches, check_case, expected_result, load_case
 
 pytestmark = pytest.mark.gpu
 
@@ -69,22 +55,17 @@ def _host_structure(value):
     return _to_host(value)
 
 
-@pytest.mark.parametrize("path", CASES, ids=[p.stem for p in CASES])
+@pytest.mark.parametrize("path", [_marked(p) for p in CASES])
 def test_conformance_on_a_shared_gpu(path):
-    case = _RUNNER._load(path)
-    expected = json.loads((CONFORMANCE / "expected" / f"{path.stem}.json").read_text())["result"]
-    if isinstance(expected, dict) and "error" in expected:
-        with pytest.raises(Exception) as info:
-            case.run_distrib(_on_gpu_distrib(), _host_numpy())
-        assert _RUNNER._error_matches(info.value, expected), f"raised {type(info.value).__name__}: {info.value}"
-        return
-    on_gpu = _host_structure(case.run_distrib(_on_gpu_distrib(), _host_numpy()))
-    assert_matches(on_gpu, expected)
-    assert_matches(on_gpu, json.loads(json.dumps(_record(case.run_distrib(distrib, np)))))
+    check_case(path, _on_gpu_distrib(), _host_numpy(), convert=_host_structure)  # TensorFlow's record
+    expected = expected_result(path)
+    if not (isinstance(expected, dict) and "error" in expected):  # and the emulator's answer
+        on_gpu = _host_structure(load_case(path).run_distrib(_on_gpu_distrib(), _host_numpy()))
+        assert_matches(on_gpu, json.loads(json.dumps(_record(load_case(path).run_distrib(distrib, np)))))
 
 
 def _record(value):
-    """A result in the JSON layout of ../shared/conformance, so the emulator's answer compares like TensorFlow's."""
+    """A result in the JSON layout of tests/conformance, so the emulator's answer compares like TensorFlow's."""
     if isinstance(value, dict):
         return {k: _record(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
