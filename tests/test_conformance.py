@@ -38,7 +38,6 @@ def load_case(path: pathlib.Path):
     return module
 
 
-
 def expected_result(path: pathlib.Path):
     """TensorFlow's recorded result for the case at `path` (cases/NAME.py beside expected/NAME.json)."""
     return json.loads((path.parents[1] / "expected" / f"{path.stem}.json").read_text())["result"]
