@@ -1,19 +1,15 @@
-"""Checkpoint: variables, optimizer slots and metadata in one checksummed file, saved atomically, restored anywhere."""
+"""Checkpoint: variables, optimizer slots and metadata in one safetensors file, saved atomically, restored anywhere."""
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import math
 import os
-import secrets
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from distrib import context
+from distrib import checkpoint_file, context
 from distrib.errors import CheckpointError, ContextError
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.variable import ParameterServerVariable
@@ -21,13 +17,6 @@ from distrib.variables import DistributedVariable, MirroredVariable, SyncOnReadV
 
 # What a checkpoint saves as one variable: a ShardedVariable saves its full value, so it restores into any shard count.
 _VARIABLES = (Variable, DistributedVariable, ShardedVariable, ParameterServerVariable)
-
-# A file: _MAGIC, the manifest's and the payload's sizes (uint64 little-endian), the JSON manifest, the payload
-# (each array's bytes in C order, at the offset its manifest entry gives), and the SHA-256 of all that.
-FORMAT_VERSION = 1
-_MAGIC = b"distrib-checkpoint\n"
-_SIZES = len(_MAGIC) + 16
-_CHECKSUM = 32
 
 # Saved values of variables their owner (an optimizer) had not created yet: owner -> {name: (key, array)}.
 _DEFERRED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -80,8 +69,16 @@ class Checkpoint:
     def save(self, path: str | os.PathLike) -> str:
         """Writes every variable and the metadata to the file `path` (parent folders are created); returns it.
 
-        The file is written under a temporary name in the same folder, flushed to disk and renamed onto
-        `path`, so a crash leaves the previous checkpoint intact; an exception leaves no temporary file.
+        The file is a safetensors file: each variable a tensor named by its key ("w", "opt/velocity/w"), the
+        manifest (each variable's kind, aggregation and owner; the metadata) and a SHA-256 of it all in the
+        header's `__metadata__`, so `safetensors.numpy.load_file(path)` reads the weights without distrib.
+        It is written under a temporary name in the same folder, flushed to disk and renamed onto `path`, so a
+        crash leaves the previous checkpoint intact; an exception leaves no temporary file, and temporaries
+        left by saves of `path` that were killed are removed.
+
+        Raises:
+          TypeError: a variable's dtype is not one a safetensors file holds (complex, strings, bfloat16).
+          ContextError (a RuntimeError): called inside a replica function.
         """
         _require_cross_replica("Checkpoint.save")
         from distrib._version import __version__
@@ -90,19 +87,17 @@ class Checkpoint:
         for path_, checkpoint in checkpoints.items():
             for name, value in checkpoint.metadata.items():
                 _check_metadata(f"{path_}/{name}" if path_ else name, value)
-        entries, arrays, offset = [], [], 0
+        entries, arrays = [], {}
         for key, (variable, owner, name) in variables.items():
-            array = np.asarray(_saved_value(key, variable), order="C")
-            entries.append({"key": key, "dtype": array.dtype.str, "shape": list(array.shape), "offset": offset,
-                            "nbytes": array.nbytes, "variable": type(variable).__name__,
-                            "aggregation": variable.aggregation.name, "owner": owner, "name": name})
-            arrays.append(array)
-            offset += array.nbytes
-        manifest = {"format": FORMAT_VERSION, "distrib_version": __version__, "entries": entries,
-                    "metadata": {path_: checkpoint.metadata for path_, checkpoint in checkpoints.items()}}
+            arrays[key] = np.asarray(_saved_value(key, variable))
+            entries.append({"key": key, "variable": type(variable).__name__, "aggregation": variable.aggregation.name,
+                            "owner": owner, "name": name})
+        metadata = {path_: checkpoint.metadata for path_, checkpoint in checkpoints.items()}
+        manifest = {"distrib_version": __version__, "entries": entries,
+                    "metadata": json.loads(json.dumps(metadata, default=_json_default))}
         extended = _strategy_of(variables).extended
         if extended.should_checkpoint:  # in a multi-worker job only the chief writes; the others wait for it
-            _write_atomically(path, _serialize(json.dumps(manifest, default=_json_default).encode(), arrays))
+            checkpoint_file.write(path, arrays, manifest)
         extended._barrier("Checkpoint.save")
         return os.fspath(path)
 
@@ -119,12 +114,13 @@ class Checkpoint:
           allow_partial: restore the keys the file and the objects share instead of raising on the others.
 
         Raises:
-          CheckpointError (a ValueError): the file is corrupt, truncated or no checkpoint, or it does not
-            match the objects (missing or extra keys, another shape, a dtype that does not cast safely).
+          CheckpointError (a ValueError): the file is corrupt, truncated, not a distrib checkpoint (another
+            safetensors file, a zip, an empty file: the message says which) or has a malformed manifest, or
+            it does not match the objects (missing or extra keys, another shape, a dtype that does not cast safely).
           ContextError (a RuntimeError): called inside a replica function.
         """
         _require_cross_replica("Checkpoint.restore")
-        manifest, payload = _read(path)
+        manifest, arrays = checkpoint_file.read(path)
         variables, owners, checkpoints = self._collect()
         saved = {entry["key"]: entry for entry in manifest["entries"]}
         deferred = [key for key, entry in saved.items() if key not in variables and entry.get("owner") in owners]
@@ -135,13 +131,13 @@ class Checkpoint:
                                   f"Received: {os.fspath(path)!r}; missing from the file: {missing}; in the file "
                                   f"but not in the Checkpoint: {extra}. Pass allow_partial=True to restore the "
                                   f"others.")
-        matched = [(key, variables[key][0], _entry_array(payload, saved[key])) for key in saved if key in variables]
+        matched = [(key, variables[key][0], arrays[key]) for key in saved if key in variables]
         for key, variable, array in matched:
             _check_compatible(key, array, variable)
         for key, variable, array in matched:
             variable.assign(array.astype(variable.dtype, copy=False))
         for owner_key, owner in owners.items():
-            pending = {saved[key]["name"]: (key, _entry_array(payload, saved[key]).copy())
+            pending = {saved[key]["name"]: (key, arrays[key].copy())
                        for key in deferred if saved[key]["owner"] == owner_key}
             if pending:
                 _DEFERRED[owner] = pending
@@ -309,85 +305,9 @@ def _check_metadata(name: str, value: Any) -> None:
                         f"Received: {type(value).__name__} for {name!r}; hold arrays in a distrib.Variable.") from exc
 
 
-# -- the file -----------------------------------------------------------------------------------------------
-
-def _serialize(manifest: bytes, arrays: list[np.ndarray]) -> Iterator[bytes | np.ndarray]:
-    """The file's chunks, checksum excepted."""
-    yield _MAGIC
-    yield len(manifest).to_bytes(8, "little") + sum(a.nbytes for a in arrays).to_bytes(8, "little")
-    yield manifest
-    for array in arrays:
-        yield array.reshape(-1).view(np.uint8)
-
-
 def _strategy_of(variables: dict) -> Any:
     """The strategy the variables are distributed by (the current one when none is distributed)."""
     for variable, _, _ in variables.values():
         if getattr(variable, "_strategy", None) is not None:
             return variable._strategy
     return context.get_strategy()
-
-
-def _write_atomically(path: str | os.PathLike, chunks: Iterator[bytes | np.ndarray]) -> None:
-    """Writes `chunks` and their SHA-256 to a temporary file beside `path`, syncs it, renames it onto `path`."""
-    path = os.path.abspath(os.fspath(path))
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(temporary, "xb") as file:
-            digest = hashlib.sha256()
-            for chunk in chunks:
-                file.write(chunk)
-                digest.update(chunk)
-            file.write(digest.digest())
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
-        raise
-    with contextlib.suppress(OSError):  # makes the rename durable; not every system can open a folder
-        folder = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
-
-
-def _read(path: str | os.PathLike) -> tuple[dict, memoryview]:
-    """The manifest and the payload of a checkpoint file, once its size and checksum are verified."""
-    with open(path, "rb") as file:
-        data = file.read()
-    where = repr(os.fspath(path))
-    if not data.startswith(_MAGIC[:len(data)]):
-        raise CheckpointError(f"restore needs a file written by Checkpoint.save. Received: {where}, which does not "
-                              f"start with {_MAGIC!r}.")
-    expected = None
-    if len(data) >= _SIZES:
-        manifest_size, payload_size = (int.from_bytes(data[i:i + 8], "little") for i in (_SIZES - 16, _SIZES - 8))
-        expected = _SIZES + manifest_size + payload_size + _CHECKSUM
-    if len(data) != expected:
-        raise CheckpointError(f"Checkpoint {where} is truncated or damaged: it has {len(data)} bytes, its header "
-                              f"announces {expected or 'more'}. Restore an earlier checkpoint.")
-    body = memoryview(data)[:-_CHECKSUM]
-    if hashlib.sha256(body).digest() != data[-_CHECKSUM:]:
-        raise CheckpointError(f"Checkpoint {where} is corrupted: its SHA-256 checksum does not match its contents. "
-                              f"Restore an earlier checkpoint.")
-    try:
-        manifest = json.loads(bytes(body[_SIZES:_SIZES + manifest_size]))
-        version = manifest["format"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"Checkpoint {where} has an unreadable manifest: {exc}.") from exc
-    if version > FORMAT_VERSION:
-        raise CheckpointError(f"Checkpoint {where} has format {version} (distrib {manifest.get('distrib_version')}); "
-                              f"this distrib reads format {FORMAT_VERSION} and older. Upgrade distrib.")
-    return manifest, body[_SIZES + manifest_size:]
-
-
-def _entry_array(payload: memoryview, entry: dict) -> np.ndarray:
-    """A read-only view of one saved array in the payload."""
-    shape = tuple(entry["shape"])
-    return np.frombuffer(payload, dtype=np.dtype(entry["dtype"]), count=math.prod(shape),
-                         offset=entry["offset"]).reshape(shape)
