@@ -6,6 +6,7 @@ import abc
 import contextlib
 import math
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -16,7 +17,8 @@ from distrib.cross_device_ops import CrossDeviceOps
 from distrib.devices import HOST, canonical_name
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.input import InputWorkers
-from distrib.options import CommunicationOptions, ReduceOp
+from distrib.interrupts import deferred_interrupts
+from distrib.options import CommunicationOptions, ReduceOp, RunOptions
 from distrib.replica_context import normalize_axes, reducible
 from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_scalar, local_components, regroup,
                             select_replica)
@@ -50,6 +52,15 @@ class StrategyExtended(abc.ABC):
         self._cross_device_ops = cross_device_ops
         self._options = communication_options
         self._colocation = threading.local()  # .variable: the one colocate_vars_with is in effect for
+
+    @property
+    def _container_strategy(self) -> Any:
+        return self._strategy_ref()
+
+    @_container_strategy.setter
+    def _container_strategy(self, strategy: Any) -> None:
+        # weak: the strategy owns this object, and a cycle would keep a dropped strategy's threads until a gc
+        self._strategy_ref = weakref.ref(strategy)
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
@@ -292,7 +303,8 @@ class StrategyExtended(abc.ABC):
             raise TypeError(f"update needs a variable. Received: {type(var).__name__}.")
         kwargs = kwargs or {}
         results = []
-        with self._container_strategy.scope():  # fn sees this strategy, cross-replica, as in TensorFlow
+        # fn sees this strategy, cross-replica, as in TensorFlow; Ctrl-C lands before or after all copies
+        with self._container_strategy.scope(), deferred_interrupts():
             for i, component in enumerate(components):
                 with update_context(i), self._backend.device_scope(component.device):
                     results.append(fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs)))
@@ -349,8 +361,12 @@ class StrategyExtended(abc.ABC):
         """See `ReplicaHost._rendezvous`."""
 
     @abc.abstractmethod
-    def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict, options: RunOptions | None = None
+                               ) -> Any:
         """Runs `fn` once per replica, each in its replica context; the results regrouped."""
+
+    def _close(self) -> None:
+        """Releases what the strategy holds (threads); nothing by default."""
 
 
 def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:

@@ -14,11 +14,11 @@ replica thread that does not come back is retired and replaced, so the strategy 
 
 from __future__ import annotations
 
-import _thread
+import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from distrib import context, timeline
 from distrib.backends import Backend, cuda_problem, detect, get_backend
@@ -26,150 +26,18 @@ from distrib.backends.parallel import lend
 from distrib.cross_device_ops import CrossDeviceOps, default_cross_device_ops
 from distrib.devices import canonical_name, parse_device
 from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
-from distrib.options import CommunicationOptions, default_timeout
 from distrib.extended import StrategyExtended
+from distrib.interrupts import deferred_interrupts
+from distrib.options import CommunicationOptions, RunOptions, default_timeout
 from distrib.replica_context import ReplicaContext
 from distrib.replica_team import ReplicaTeam
+from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, executing_worker,
+                                     retire_all)
 from distrib.strategy import Strategy
 from distrib.values import regroup, select_replicas
 
 _POLL_SECONDS = 0.05
-_STOP_GRACE_SECONDS = 10.0
-
-RUNNING, WAITING, DONE, FAILED = "running", "waiting", "done", "failed"
-
-
-class _RequestedStop(BaseException):
-    """Unwinds a replica function whose run was stopped; a BaseException so `except Exception` cannot eat it."""
-
-
-class _Run:
-    """State of one `Strategy.run`, shared by the calling thread and the replica threads."""
-
-    def __init__(self, strategy: Strategy, contexts: Sequence[ReplicaContext], fn: Callable, args: list,
-                 kwargs: list, default_timeout: float):
-        count = len(contexts)
-        self.strategy, self.contexts, self.fn, self.args, self.kwargs = strategy, contexts, fn, args, kwargs
-        self.default_timeout = default_timeout
-        self.lock = threading.Lock()
-        self.finished = threading.Condition(self.lock)
-        self.phase_done = _thread.allocate_lock()
-        self.status = [RUNNING] * count
-        self.requests: list[Any] = [None] * count
-        self.results: list[Any] = [None] * count
-        self.merge_results: list[Any] = [None] * count
-        self.merge_counts = [0] * count
-        self.active = count  # replica threads still inside this run
-        self.error: tuple[int | None, BaseException] | None = None
-        self.stopped = False
-        self.begin_phase()
-
-    def begin_phase(self) -> None:
-        self.phase_done.acquire(False)  # locked from here until the phase completes or fails
-        self.status = [RUNNING] * len(self.status)
-        self.pending = len(self.status)
-        self.first_arrival: float | None = None
-        self.woken = False
-
-    def _wake(self) -> None:
-        if not self.woken:
-            self.woken = True
-            self.phase_done.release()
-
-    def report(self, replica_id: int, status: str) -> bool:
-        """A replica reached a collective (WAITING) or returned (DONE); False if the run was stopped."""
-        with self.lock:
-            if self.stopped:
-                return False
-            self.status[replica_id] = status
-            if status == WAITING and self.first_arrival is None:
-                self.first_arrival = time.monotonic()
-            self.pending -= 1
-            if self.pending == 0:
-                self._wake()
-            return True
-
-    def fail(self, replica_id: int | None, exc: BaseException) -> None:
-        with self.lock:
-            if self.error is None and not self.stopped:
-                self.error = (replica_id, exc)
-            if replica_id is not None:
-                self.status[replica_id] = FAILED
-            self._wake()
-
-    def leave(self) -> None:
-        with self.finished:
-            self.active -= 1
-            self.finished.notify_all()
-
-
-class _ReplicaThread:
-    """A daemon thread that runs one replica's function for each run, with its device current."""
-
-    def __init__(self, replica_id: int, device: str, backend: Backend):
-        self.replica_id = replica_id
-        self.go = _thread.allocate_lock()
-        self.go.acquire()
-        self.run: _Run | None = None
-        self.task: Callable[[], None] | None = None  # a share of the merge's work, handed over by a ReplicaTeam
-        self.retired = False
-        self.thread = threading.Thread(target=self._main, args=(device, backend), daemon=True,
-                                       name=f"distrib-replica-{replica_id}")
-        self.thread.start()
-
-    def _main(self, device: str, backend: Backend) -> None:
-        backend.activate(device)
-        while True:
-            self.go.acquire()
-            run = self.run
-            if run is None or self.retired:
-                return
-            self._execute(run)
-            del run  # a finished run holds results and merge buffers; don't pin them until the next one
-            if self.retired:
-                return
-
-    def _execute(self, run: _Run) -> None:
-        i = self.replica_id
-        try:
-            with context.frame(run.strategy, run.contexts[i]), timeline.span("run", "run"):
-                result = run.fn(*run.args[i], **run.kwargs[i])
-            run.results[i] = result
-            run.report(i, DONE)
-        except _RequestedStop:
-            pass
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller of run, which re-raises it
-            run.fail(i, exc)
-        finally:
-            run.leave()
-
-    def rendezvous(self, run: _Run, request: tuple) -> Any:
-        """Called on this thread by a collective: wait for the merge, return this replica's result."""
-        i = self.replica_id
-        run.requests[i] = request
-        run.merge_counts[i] += 1
-        with timeline.span(request[0], "merge_call"):
-            if not run.report(i, WAITING):
-                raise _RequestedStop()
-            self.go.acquire()
-            while self.task is not None:  # lent to the merge: run a share of its work, then wait again
-                task, self.task = self.task, None
-                task()
-                self.go.acquire()
-        if run.stopped:
-            raise _RequestedStop()
-        return run.merge_results[i]
-
-    def shutdown(self) -> None:
-        self.run = None
-        self.retired = True
-        self.go.release()
-
-
-def _shutdown_threads(threads: list[_ReplicaThread]) -> None:
-    for worker in threads:
-        if worker.run is None and not worker.retired:
-            worker.shutdown()
+_UNWIND_SECONDS = 0.1  # how long an interrupted run waits for its replicas to unwind before replacing threads
 
 
 class MirroredExtended(StrategyExtended):
@@ -178,71 +46,114 @@ class MirroredExtended(StrategyExtended):
     def __init__(self, container_strategy: Strategy, backend: Backend, devices: Sequence[str],
                  cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions):
         super().__init__(container_strategy, backend, devices, cross_device_ops, communication_options)
-        first = self._first_local_replica
-        self._replica_contexts = tuple(ReplicaContext(container_strategy, first + i, first) for i in range(len(devices)))
-        self._threads: list[_ReplicaThread] = []
+        self._threads: list[ReplicaThread] = []
         self._run_lock = threading.Lock()
         self._running_thread: int | None = None
-        self._active: list[tuple[_Run, list[_ReplicaThread]]] = []  # the run in progress, and any run nested in it
         self._default_timeout = default_timeout()
-        weakref.finalize(container_strategy, _shutdown_threads, self._threads)
+        self._pid = os.getpid()
+        self._closed = False
+        # the strategy holds no reference cycle, so dropping it ends its threads at once
+        self._finalizer = weakref.finalize(container_strategy, retire_all, self._threads)
 
-    def _ensure_threads(self) -> list[_ReplicaThread]:
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} devices={self._devices}{' closed' if self._closed else ''}>"
+
+    def _ensure_threads(self) -> list[ReplicaThread]:
+        if self._pid != os.getpid():  # forked: the threads stayed in the parent process
+            self._pid = os.getpid()
+            self._threads.clear()
         if not self._threads:
-            self._threads.extend(_ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices))
+            self._threads.extend(ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices))
         return self._threads
 
-    def _call_for_each_replica(self, fn, args, kwargs):
+    def _close(self) -> None:
+        if self._running_thread == threading.get_ident():
+            raise ContextError("Strategy.close cannot be called inside the strategy's own run.")
+        with self._run_lock:
+            self._closed = True
+            if self._pid == os.getpid():
+                retire_all(self._threads)
+
+    def _call_for_each_replica(self, fn, args, kwargs, options: RunOptions | None = None):
+        run_timeout = None if options is None else options.timeout_seconds
+        started = time.monotonic()
+        deadline = None if run_timeout is None else started + run_timeout
         if self._running_thread == threading.get_ident():
             # run from a merge_fn: the replica threads wait in the merge, so this run gets threads of its own
             # (TensorFlow starts threads for every run, so nesting works there too)
-            threads = [_ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices)]
+            threads = [ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices)]
             try:
-                return self._run(fn, args, kwargs, threads)
+                return self._run(fn, args, kwargs, threads, deadline)
             finally:
-                _shutdown_threads(threads)
-        with self._run_lock:
-            self._running_thread = threading.get_ident()
-            try:
-                with timeline.span("run", "run"):
-                    return self._run(fn, args, kwargs, self._ensure_threads())
-            finally:
-                self._running_thread = None
-
-    def _run(self, fn, args, kwargs, threads: list[_ReplicaThread]):
-        count = len(self._devices)
-        run = _Run(self._container_strategy, self._replica_contexts, fn,
-                   select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout)
-        self._active.append((run, threads))
+                retire_all(threads)
+        if self._pid != os.getpid():  # forked during another thread's run: that thread and its lock are gone
+            self._run_lock, self._running_thread = threading.Lock(), None
+        wait = self._default_timeout if run_timeout is None else run_timeout
+        acquired = False
         try:
-            for worker in threads:
-                worker.run = run
-                worker.go.release()
+            while not acquired:
+                with deferred_interrupts():  # so that a Ctrl-C cannot land between taking the lock and `acquired`
+                    acquired = self._run_lock.acquire(timeout=_POLL_SECONDS)
+                if not acquired and time.monotonic() - started >= wait:
+                    raise DeadlineExceededError(
+                        f"Strategy.run waited {wait:g} s for this strategy's run in progress on another thread to "
+                        f"end. Runs of one strategy take turns; a run started from a thread that a replica "
+                        f"function waits for can never start: call run from the thread that runs the others, "
+                        f"after they return.", operation="run")
+            if self._closed:
+                raise ContextError(f"{self._container_strategy!r} is closed: create a new strategy to run again.")
+            self._running_thread = threading.get_ident()
+            with timeline.span("run", "run"):
+                return self._run(fn, args, kwargs, self._ensure_threads(), deadline)
+        finally:
+            if acquired:
+                self._running_thread = None
+                self._run_lock.release()
+
+    def _run(self, fn, args, kwargs, threads: list[ReplicaThread], deadline: float | None):
+        count = len(self._devices)
+        strategy = self._container_strategy
+        first = self._first_local_replica
+        run = Run(strategy, tuple(ReplicaContext(strategy, first + i, first) for i in range(count)), fn,
+                  select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout, deadline)
+        try:
+            with deferred_interrupts():  # every thread starts, or (interrupted before) none
+                for worker in threads:
+                    worker.run = run
+                    worker.go.release()
             while True:
-                self._wait_for_phase(run)
+                self._wait_for_phase(run, threads)
                 if run.error is not None:
                     raise run.error[1]
                 if all(s == DONE for s in run.status):
                     break
                 if any(s == DONE for s in run.status):
                     raise MergeCallMismatchError(_count_mismatch(run))
-                self._merge(run, threads)
-                run.begin_phase()
-                for worker in threads:
-                    worker.go.release()
+                merged = self._merge(run, threads)
+                with deferred_interrupts():  # every waiting replica resumes, or none does
+                    run.merge_results = merged
+                    run.begin_phase()
+                    for worker in threads:
+                        worker.go.release()
+            return regroup(run.results)
         except BaseException as exc:
-            self._stop(run, threads, grace=0.1 if isinstance(exc, DeadlineExceededError) else _STOP_GRACE_SECONDS)
+            self._stop(run, threads, _patience(run, exc))
             if run.error is not None and exc is run.error[1] and run.error[0] is not None:
-                _name_replica(exc, run.error[0], len(threads))
+                _name_replica(exc, run.error[0], count)
             raise
         finally:
-            self._active.pop()
             for worker in threads:
                 worker.run = None
-        return regroup(run.results)
+            run.drop_references()
 
-    def _wait_for_phase(self, run: _Run) -> None:
+    def _wait_for_phase(self, run: Run, threads: list[ReplicaThread]) -> None:
         while not run.phase_done.acquire(timeout=_POLL_SECONDS):
+            if run.deadline is not None and time.monotonic() >= run.deadline:
+                late = [i for i, s in enumerate(run.status) if s == RUNNING]
+                raise DeadlineExceededError(
+                    f"Strategy.run did not finish within RunOptions(timeout_seconds=...): replicas {late} are "
+                    f"still running their function.\n{_stacks(threads, late)}",
+                    missing_replicas=tuple(late), operation="run")
             with run.lock:
                 first = run.first_arrival
                 if first is None or run.woken:
@@ -258,9 +169,9 @@ class MirroredExtended(StrategyExtended):
                 f"arrived). Every replica must make the same collective calls in the same order; a replica "
                 f"that skips one, or is stuck before it, stalls the others. Raise "
                 f"CommunicationOptions(timeout_seconds=...) or $DISTRIB_COLLECTIVE_TIMEOUT if the work is "
-                f"just slow.", missing_replicas=missing, operation=kind)
+                f"just slow.\n{_stacks(threads, missing)}", missing_replicas=missing, operation=kind)
 
-    def _merge(self, run: _Run, threads: list[_ReplicaThread]) -> None:
+    def _merge(self, run: Run, threads: list[ReplicaThread]) -> list:
         kinds = [r[0] for r in run.requests]
         if len(set(kinds)) > 1:
             detail = ", ".join(f"replica {i}: {k}" for i, k in enumerate(kinds))
@@ -270,38 +181,71 @@ class MirroredExtended(StrategyExtended):
         try:
             with context.frame(self._container_strategy, None), lend(ReplicaTeam(threads)), \
                     timeline.span(kinds[0], "merge_call"):
-                results = merge([r[2] for r in run.requests])
+                return list(merge([r[2] for r in run.requests]))
         except BaseException as exc:
             run.fail(None, exc)
             raise
-        run.merge_results = list(results)
 
-    def _stop(self, run: _Run, threads: list[_ReplicaThread], grace: float) -> None:
-        """Wakes replicas waiting at a collective so they unwind; retires those that do not come back."""
+    def _stop(self, run: Run, threads: list[ReplicaThread], patience: float) -> None:
+        """Wakes replicas waiting at a collective so they unwind; replaces the threads that do not come back.
+
+        Waits up to `patience` seconds for replicas still in user code to stop (a Ctrl-C cuts the wait short);
+        every step that changes the threads runs whole, so a second Ctrl-C cannot leave them half stopped.
+        """
+        with deferred_interrupts():
+            with run.lock:
+                run.stopped = True
+                waiting = [i for i, s in enumerate(run.status) if s == WAITING]
+            for i in waiting:
+                threads[i].go.release()
+        try:
+            with run.finished:
+                run.finished.wait_for(lambda: all(run.left), timeout=patience)
+        finally:
+            with deferred_interrupts():
+                self._replace_late(run, threads)
+
+    def _replace_late(self, run: Run, threads: list[ReplicaThread]) -> None:
         with run.lock:
-            run.stopped = True
-            waiting = [i for i, s in enumerate(run.status) if s == WAITING]
-        for i in waiting:
-            threads[i].go.release()
-        with run.finished:
-            run.finished.wait_for(lambda: run.active == 0, timeout=grace)
-            stuck = [i for i, s in enumerate(run.status) if s == RUNNING] if run.active else []
-        for i in stuck:  # still inside user code: let it finish on its own, and replace it
-            threads[i].retired = True
-            threads[i] = _ReplicaThread(i, self._devices[i], self._backend)
+            late = [i for i, left in enumerate(run.left) if not left]
+        try:
+            for i in late:  # still inside user code: it ends on its own, and takes no further run
+                threads[i].retire()
+                threads[i] = ReplicaThread(i, self._devices[i], self._backend)
+        except BaseException:  # no thread to replace it: closed, rather than half usable
+            self._closed = True
+            retire_all(threads)
+            raise
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):
-        current = threading.current_thread()
-        run, worker = next(((run, threads[replica_id]) for run, threads in reversed(self._active)
-                            if threads[replica_id].thread is current), (None, None))
-        if run is None:
+        worker = executing_worker()
+        run = None if worker is None else worker.current
+        if run is None or run.strategy is not self._container_strategy or worker.replica_id != replica_id:
             raise ContextError(f"{kind} must be called from the replica function that Strategy.run is running.")
-        if run.stopped:
-            raise _RequestedStop()
+        if run.stopped or worker.retired:
+            raise RequestedStop()
         return worker.rendezvous(run, (kind, merge, payload, options.timeout))
 
 
-def _count_mismatch(run: _Run) -> str:
+def _patience(run: Run, exc: BaseException) -> float:
+    """How long a failed run waits for its other replicas to stop before it replaces their threads.
+
+    An error in user code waits for them (up to the collective timeout), so that no replica function still
+    runs once `run` has returned; a Ctrl-C or a timeout waits only for replicas already unwinding.
+    """
+    if not isinstance(exc, Exception) or isinstance(exc, DeadlineExceededError):
+        return _UNWIND_SECONDS
+    patience = run.default_timeout
+    if run.deadline is not None:
+        patience = min(patience, max(run.deadline - time.monotonic(), _UNWIND_SECONDS))
+    return patience
+
+
+def _stacks(threads: list[ReplicaThread], replicas: Sequence[int]) -> str:
+    return "".join(f"Replica {i} is at:\n{threads[i].stack()}" for i in replicas)
+
+
+def _count_mismatch(run: Run) -> str:
     counts = ", ".join(f"replica {i}: {c}{'+' if s == WAITING else ''}"
                        for i, (c, s) in enumerate(zip(run.merge_counts, run.status)))
     return (f"Replicas made different numbers of merge_call calls (each all_reduce, all_gather and variable "
@@ -309,16 +253,28 @@ def _count_mismatch(run: _Run) -> str:
             f"every replica call the same collectives, e.g. avoid all_reduce under a replica-dependent `if`.")
 
 
+_NOTE = "distrib: raised in "
+
+
 def _name_replica(exc: BaseException, replica_id: int, count: int) -> None:
-    """Adds the replica id to the exception's message, keeping its type and traceback."""
-    if getattr(exc, "replica_id", None) is not None:  # raised again in a later run: already named
-        return
+    """Adds the replica id to the exception's message, keeping its type and traceback.
+
+    An exception object raised again (by another replica, or in a later run) is renamed, not named twice.
+    """
     where = f"replica {replica_id} of {count}"
-    args = exc.args
-    if type(exc).__str__ is BaseException.__str__ and len(args) == 1 and isinstance(args[0], str):
-        exc.args = (f"{args[0]} (raised in {where})",)
+    if getattr(exc, "_distrib_named", None) is not None and exc.args == (exc._distrib_named,):
+        message = exc._distrib_message  # named before, by distrib: rename
+    elif type(exc).__str__ is BaseException.__str__ and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        message = exc.args[0]
+    else:
+        message = None
+    if message is not None:
+        exc.args = (f"{message} (raised in {where})",)
+        exc._distrib_message, exc._distrib_named = message, exc.args[0]
     elif hasattr(exc, "add_note"):
-        exc.add_note(f"distrib: raised in {where}")
+        if getattr(exc, "__notes__", None):
+            exc.__notes__[:] = [note for note in exc.__notes__ if not note.startswith(_NOTE)]
+        exc.add_note(_NOTE + where)
     exc.replica_id = replica_id
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from distrib import context
 from distrib.checkpoint import restore_deferred
+from distrib.interrupts import deferred_interrupts
 from distrib.options import ReduceOp
 from distrib.values import DistributedValues, PerReplica
 from distrib.variables import DistributedVariable, MirroredVariable, Variable, VariableAggregation
@@ -175,12 +176,13 @@ class Optimizer:
                      for s in self._slots[var].values()]  # update hands each copy its own slot copies
             extended.update(var, self._collect, args=(groups, grad, *slots), group=False)
         backend = extended.backend
-        for (device, dtype), items in groups.items():  # the backend's fused kernels if it has them, else array math
-            coefficients = self._coefficients(dtype, step)
-            with backend.device_scope(device):
-                if not backend.fused_optimizer_update(self._rule, items, coefficients):
-                    self._update_device(backend.xp, items, coefficients)
-        self.iterations.assign_add(1)
+        with deferred_interrupts():  # Ctrl-C lands before the step's writes or after all of them
+            for (device, dtype), items in groups.items():  # the backend's fused kernels if any, else array math
+                coefficients = self._coefficients(dtype, step)
+                with backend.device_scope(device):
+                    if not backend.fused_optimizer_update(self._rule, items, coefficients):
+                        self._update_device(backend.xp, items, coefficients)
+            self.iterations.assign_add(1)
         return self.iterations
 
     def _collect(self, component: Variable, groups: dict, grad: Any, *slots: Variable) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import numbers
 import os
 from dataclasses import dataclass, field, replace
@@ -93,11 +94,7 @@ class CommunicationOptions:
             raise TypeError(f"bytes_per_pack must be an int. Received: {self.bytes_per_pack!r}.")
         if self.bytes_per_pack < 0:
             raise ValueError(f"bytes_per_pack must be non-negative. Received: {self.bytes_per_pack}.")
-        if self.timeout_seconds is not None:
-            if isinstance(self.timeout_seconds, bool) or not isinstance(self.timeout_seconds, numbers.Real):
-                raise TypeError(f"timeout_seconds must be a number or None. Received: {self.timeout_seconds!r}.")
-            if self.timeout_seconds < 0:
-                raise ValueError(f"timeout_seconds must be non-negative. Received: {self.timeout_seconds}.")
+        check_timeout(self.timeout_seconds, "timeout_seconds", zero_ok=True)
         object.__setattr__(self, "bytes_per_pack", int(self.bytes_per_pack))
         object.__setattr__(self, "implementation", CommunicationImplementation.from_value(self.implementation))
 
@@ -122,6 +119,17 @@ class CommunicationOptions:
         return self.timeout_seconds or None
 
 
+def check_timeout(value: object, what: str, zero_ok: bool) -> None:
+    """TypeError unless `value` is None or a real number; ValueError for NaN, and below zero (or at it)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number or None (seconds). Received: {value!r}.")
+    if math.isnan(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{what} must be {'non-negative' if zero_ok else 'positive'} seconds (inf waits "
+                         f"forever). Received: {value!r}.")
+
+
 DEFAULT_TIMEOUT_SECONDS = 600.0  # how long a collective may wait when no timeout_seconds is given
 
 
@@ -134,18 +142,34 @@ def default_timeout() -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"DISTRIB_COLLECTIVE_TIMEOUT must be a number of seconds. Received: {raw!r}.") from None
-    if value <= 0:
-        raise ValueError(f"DISTRIB_COLLECTIVE_TIMEOUT must be positive. Received: {raw!r}.")
+    if not value > 0:  # NaN too
+        raise ValueError(f"DISTRIB_COLLECTIVE_TIMEOUT must be positive (seconds). Received: {raw!r}.")
     return value
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    """Options for `Strategy.run`; accepted for TensorFlow compatibility (its fields only affect TPUs)."""
+    """Options for `Strategy.run`: TensorFlow's fields (they only affect TPUs) and a deadline for the run.
+
+    Args:
+      timeout_seconds: the longest one `run` may take, waiting for another thread's run included; past it,
+        `distrib.errors.DeadlineExceededError` names the replicas still running and shows their Python stacks.
+        None (the default): no limit beyond each collective's own timeout.
+
+    Example:
+      >>> import distrib
+      >>> strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+      >>> strategy.run(lambda: 1, options=distrib.RunOptions(timeout_seconds=30))
+      1
+    """
 
     experimental_enable_dynamic_batch_size: bool = True
     experimental_bucketizing_dynamic_shape: bool = False
     experimental_xla_options: object = None
+    timeout_seconds: float | None = None
+
+    def __post_init__(self):
+        check_timeout(self.timeout_seconds, "RunOptions.timeout_seconds", zero_ok=False)
 
 
 class InputReplicationMode(enum.Enum):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import numbers
 from typing import Any, Callable, Protocol, Sequence
 
@@ -133,34 +134,42 @@ class ReplicaContext:
         self._require_current("all_reduce")
         op = ReduceOp.from_value(reduce_op)
         return self._collective("all_reduce", value, options, _check_numeric,
-                                lambda per_replica, merged: self._host._batch_all_reduce(op, per_replica, merged))
+                                lambda per_replica, merged: self._host._batch_all_reduce(op, per_replica, merged),
+                                arguments=(("reduce_op", op),))
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
         """Concatenates `value` from every replica along `axis`; shapes may differ along `axis` only."""
         self._require_current("all_gather")
         return self._collective("all_gather", value, options, None,
                                 lambda per_replica, merged: self._host._batch_all_gather(per_replica, axis, merged),
-                                gather_axis=axis)
+                                gather_axis=axis, arguments=(("axis", axis),))
 
     def _collective(self, kind: str, value: Any, options: CommunicationOptions | None,
                     check_leaves: Callable[[list, Any], None] | None, combine: Callable[[list, Any], list],
-                    gather_axis: int | None = None) -> Any:
+                    gather_axis: int | None = None, arguments: tuple = ()) -> Any:
         """The path of every collective: options merged once, the leaves placed on this replica's device, one
-        rendezvous whose merge checks that every replica's layout matches and then combines the arrays."""
+        rendezvous whose merge checks that every replica passed the same arguments and layout, then combines.
+
+        Every replica takes part even with nothing to send, so that one replica's empty value is an error
+        naming it rather than a rendezvous the others wait at alone.
+        """
         host = self._host
         options = host._merged_options(options)
         leaves, spec = flatten(value)
-        if not leaves:
-            return value
-        arrays = host._to_replica_device(leaves, self._replica_id)
-        if check_leaves is not None:
+        arrays = host._to_replica_device(leaves, self._replica_id) if leaves else []
+        if check_leaves is not None and arrays:
             check_leaves(arrays, spec)
 
         def merge(payloads: list) -> list:
-            check_same_layout(kind, payloads, gather_axis=gather_axis)
+            check_same_arguments(kind, [p[2] for p in payloads])
+            layouts = [p[:2] for p in payloads]
+            check_same_layout(kind, layouts, gather_axis=gather_axis)
+            if not layouts[0][1]:
+                return [[] for _ in payloads]
             return combine([p[1] for p in payloads], options)
 
-        return unflatten(spec, host._rendezvous(self._replica_id, kind, merge, (spec, arrays), options))
+        payload = (spec, arrays, arguments + (("options", options),))
+        return unflatten(spec, host._rendezvous(self._replica_id, kind, merge, payload, options))
 
     def __repr__(self) -> str:
         return (f"<ReplicaContext replica_id_in_sync_group={self.replica_id_in_sync_group} "
@@ -203,6 +212,20 @@ def check_gather_shapes(api: str, shapes: Sequence[tuple], dtypes: Sequence, axi
                                           f"replica {replica_id}, path {format_path(path)}, shape {shape} vs "
                                           f"{shapes[0]}.")
     return axis
+
+
+def check_same_arguments(api: str, arguments: Sequence[tuple]) -> None:
+    """Every replica's (name, value) arguments must equal replica 0's: else the first mismatch, named."""
+    first = arguments[0]
+    for replica_id, mine in enumerate(arguments[1:], start=1):
+        if mine != first:
+            name, theirs, ours = next((a[0], b[1], a[1]) for a, b in zip(first, mine) if a != b)
+            raise CollectiveMismatchError(f"{api} needs the same {name} on every replica. Received: replica "
+                                          f"{replica_id}, {name} {_shown(theirs)} vs {_shown(ours)}.")
+
+
+def _shown(value: Any) -> str:
+    return value.name if isinstance(value, enum.Enum) else repr(value)
 
 
 def check_same_layout(api: str, payloads: list, gather_axis: int | None = None) -> None:

@@ -7,6 +7,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from distrib.backends.parallel import Team
+from distrib.interrupts import deferred_interrupts
 
 
 class ReplicaTeam(Team):
@@ -46,21 +47,24 @@ class ReplicaTeam(Team):
             return
         helpers = list(zip(self._threads, tasks[1:]))
         self._pending, self._error = len(helpers), None
-        if helpers:
-            self._done.acquire()  # released by the last helper to finish
-        self._busy = True
-        for worker, task in helpers:
-            worker.task = lambda task=task: self._help(task)
-            worker.go.release()
-        try:
-            tasks[0]()
-        except BaseException as exc:  # noqa: BLE001 - raised below, once the helpers are done
-            self._record(exc)
-        try:
+        # a Ctrl-C waits for the end of the call: the helpers write into buffers the caller is about to drop
+        with deferred_interrupts():
             if helpers:
-                self._wait()
-        finally:
-            self._busy = False
+                self._done.acquire()  # released by the last helper to finish
+            self._busy = True
+            for worker, task in helpers:
+                worker.task = lambda task=task: self._help(task)
+                worker.go.release()
+            try:
+                tasks[0]()
+            except BaseException as exc:  # noqa: BLE001 - raised below, once the helpers are done
+                self._record(exc)
+            try:
+                if helpers:
+                    self._done.acquire()
+                    self._done.release()
+            finally:
+                self._busy = False
         error, self._error = self._error, None
         if error is not None:
             raise error
@@ -81,16 +85,3 @@ class ReplicaTeam(Team):
         with self._lock:
             if self._error is None:
                 self._error = exc
-
-    def _wait(self) -> None:
-        """Waits for every helper even through a Ctrl-C: they write into buffers the caller is about to drop."""
-        interrupt = None
-        while True:
-            try:
-                self._done.acquire()
-                break
-            except BaseException as exc:  # noqa: BLE001 - re-raised once the helpers are done
-                interrupt = interrupt or exc
-        self._done.release()
-        if interrupt is not None:
-            raise interrupt

@@ -96,7 +96,29 @@ class Strategy:
             raise ContextError("Strategy.run cannot be called inside a replica function of the same strategy "
                                "(nested run). Call it from the cross-replica context.")
         with self.scope():
-            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+            return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), options)
+
+    def close(self) -> None:
+        """Ends the strategy's replica threads; `run` raises ContextError afterwards. Closing twice is fine.
+
+        Dropping the last reference to a strategy closes it too. A strategy is also a context manager that
+        closes it on exit (entering it does not make it current: that is `scope()`).
+
+        Example:
+          >>> import distrib
+          >>> with distrib.MirroredStrategy(["CPU:0", "CPU:1"]) as strategy:
+          ...     strategy.num_replicas_in_sync
+          2
+          >>> strategy
+          <MirroredStrategy devices=('CPU:0', 'CPU:1') closed>
+        """
+        self._extended._close()
+
+    def __enter__(self) -> "Strategy":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # -- bringing results back ------------------------------------------------------------------------
 
@@ -223,7 +245,8 @@ class Strategy:
         return timeline.stop()
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} devices={self._extended.worker_devices}>"
+        closed = " closed" if getattr(self._extended, "_closed", False) else ""
+        return f"<{type(self).__name__} devices={self._extended.worker_devices}{closed}>"
 
 
 class _Scope:
@@ -263,7 +286,7 @@ class _DefaultExtended(StrategyExtended):
             self._backend_instance = get_backend("cpu")
         return self._backend_instance
 
-    def _call_for_each_replica(self, fn, args, kwargs):
+    def _call_for_each_replica(self, fn, args, kwargs, options=None):
         return fn(*select_replica(0, args), **select_replica(0, kwargs))
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):

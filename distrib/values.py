@@ -132,24 +132,33 @@ def is_distributed_variable(value: Any) -> bool:
 
 def select_replica(replica_id: int, structure: Any) -> Any:
     """The structure as replica `replica_id` sees it: each DistributedValues leaf becomes its component."""
-    return _select(structure, (replica_id,))[0]
+    return _select(structure, (replica_id,), replica_id + 1)[0]
 
 
 def select_replicas(structure: Any, count: int) -> list[Any]:
-    """`[select_replica(i, structure) for i in range(count)]`, flattening the structure only once."""
-    return _select(structure, range(count))
+    """`[select_replica(i, structure) for i in range(count)]`, flattening the structure only once.
+
+    Raises ValueError when a distributed leaf has not exactly `count` components.
+    """
+    return _select(structure, range(count), count, exact=True)
 
 
-def _select(structure: Any, replica_ids: Sequence[int]) -> list[Any]:
+def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool = False) -> list[Any]:
     if type(structure) is tuple and any(type(x) is not PerReplica for x in structure):
         # run()'s args: each argument on its own keeps a flat list of per-replica values on the fast path
-        return [tuple(args) for args in zip(*(_select(x, replica_ids) for x in structure))] or \
+        return [tuple(args) for args in zip(*(_select(x, replica_ids, count, exact) for x in structure))] or \
             [()] * len(replica_ids)
     leaves, spec = flatten(structure)
     distributed = [k for k, leaf in enumerate(leaves)
                    if isinstance(leaf, DistributedValues) and not is_distributed_variable(leaf)]
     if not distributed:
         return [structure] * len(replica_ids)
+    for k in distributed:
+        have = len(leaves[k]._values)
+        if have < count or (exact and have != count):
+            needed = count if exact else f"at least {count}"
+            raise ValueError(f"A {type(leaves[k]).__name__} needs one component per replica ({needed}). Received: "
+                             f"{have} components at path {format_path(spec.paths()[k])}.")
     if len(distributed) == len(leaves):  # e.g. a list of gradients: every leaf is per-replica
         return [unflatten(spec, [leaf._values[i] for leaf in leaves]) for i in replica_ids]
     out = []

@@ -124,7 +124,7 @@ class ParameterServerExtended(StrategyExtended):
 
     # -- one replica, on the calling thread -------------------------------------------------------------
 
-    def _call_for_each_replica(self, fn, args, kwargs):
+    def _call_for_each_replica(self, fn, args, kwargs, options=None):
         with context.frame(self._container_strategy, self._replica_context):
             return fn(*select_replica(0, args), **select_replica(0, kwargs))
 

@@ -1,0 +1,201 @@
+"""The replica threads of a MirroredStrategy and the state of one run that they share with its caller."""
+
+from __future__ import annotations
+
+import _thread
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+from distrib import context, timeline
+from distrib.backends import Backend
+
+RUNNING, WAITING, DONE, FAILED = "running", "waiting", "done", "failed"
+
+_STACK_FRAMES = 6  # innermost frames shown for a replica that is late
+_executing = threading.local()  # .worker: the ReplicaThread running on this thread
+
+
+class RequestedStop(BaseException):
+    """Unwinds a replica function whose run was stopped; a BaseException so `except Exception` cannot eat it."""
+
+
+class Run:
+    """State of one `Strategy.run`, shared by the calling thread and the replica threads.
+
+    Args:
+      strategy: the strategy running.
+      contexts: one ReplicaContext per replica.
+      fn, args, kwargs: what each replica calls, with args and kwargs already selected per replica.
+      default_timeout: seconds a collective waits when its options give none.
+      deadline: `time.monotonic()` by which the whole run must end, or None.
+    """
+
+    def __init__(self, strategy: Any, contexts: Sequence[Any], fn: Callable, args: list, kwargs: list,
+                 default_timeout: float, deadline: float | None):
+        count = len(contexts)
+        self.strategy, self.contexts, self.fn, self.args, self.kwargs = strategy, contexts, fn, args, kwargs
+        self.default_timeout, self.deadline = default_timeout, deadline
+        self.lock = threading.Lock()
+        self.finished = threading.Condition(self.lock)
+        self.phase_done = _thread.allocate_lock()
+        self.status = [RUNNING] * count
+        self.requests: list[Any] = [None] * count
+        self.results: list[Any] = [None] * count
+        self.merge_results: list[Any] = [None] * count
+        self.merge_counts = [0] * count
+        self.left = [False] * count  # replicas whose thread has finished with this run
+        self.error: tuple[int | None, BaseException] | None = None
+        self.stopped = False
+        self.begin_phase()
+
+    def __repr__(self) -> str:
+        return f"<Run status={self.status} stopped={self.stopped}>"
+
+    def begin_phase(self) -> None:
+        self.phase_done.acquire(False)  # locked from here until the phase completes or fails
+        self.status = [RUNNING] * len(self.status)
+        self.pending = len(self.status)
+        self.first_arrival: float | None = None
+        self.woken = False
+
+    def _wake(self) -> None:
+        if not self.woken:
+            self.woken = True
+            self.phase_done.release()
+
+    def report(self, replica_id: int, status: str) -> bool:
+        """A replica reached a collective (WAITING) or returned (DONE); False if the run was stopped."""
+        with self.lock:
+            if self.stopped:
+                return False
+            self.status[replica_id] = status
+            if status == WAITING and self.first_arrival is None:
+                self.first_arrival = time.monotonic()
+            self.pending -= 1
+            if self.pending == 0:
+                self._wake()
+            return True
+
+    def fail(self, replica_id: int | None, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None and not self.stopped:
+                self.error = (replica_id, exc)
+            if replica_id is not None:
+                self.status[replica_id] = FAILED
+            self._wake()
+
+    def leave(self, replica_id: int) -> None:
+        with self.finished:
+            self.left[replica_id] = True
+            self.finished.notify_all()
+
+    def drop_references(self) -> None:
+        """Forgets the error, the inputs and the results, so that a kept traceback does not keep them alive."""
+        count = len(self.status)
+        self.error = None
+        self.fn, self.args, self.kwargs = None, [()] * count, [{}] * count
+        self.requests, self.results, self.merge_results = [None] * count, [None] * count, [None] * count
+
+
+class ReplicaThread:
+    """A daemon thread that runs one replica's function for each run, with its device current.
+
+    Args:
+      replica_id: the replica it runs.
+      device: the device made current on the thread.
+      backend: the backend that owns the device.
+    """
+
+    def __init__(self, replica_id: int, device: str, backend: Backend):
+        self.replica_id = replica_id
+        self.go = _thread.allocate_lock()  # released to start a run, and to resume after each merge
+        self.go.acquire()
+        self.run: Run | None = None  # the run to start when `go` is released
+        self.current: Run | None = None  # the run this thread is inside
+        self.task: Callable[[], None] | None = None  # a share of the merge's work, handed over by a ReplicaTeam
+        self.retired = False
+        self.thread = threading.Thread(target=self._main, args=(device, backend), daemon=True,
+                                       name=f"distrib-replica-{replica_id}")
+        self.thread.start()
+
+    def __repr__(self) -> str:
+        return f"<ReplicaThread replica={self.replica_id} retired={self.retired} alive={self.thread.is_alive()}>"
+
+    def _main(self, device: str, backend: Backend) -> None:
+        _executing.worker = self
+        backend.activate(device)
+        while True:
+            self.go.acquire()
+            run = self.run
+            if run is None or self.retired:
+                return
+            self.current = run
+            self._execute(run)
+            self.current = None
+            del run  # a finished run holds results and merge buffers; don't pin them until the next one
+            if self.retired:
+                return
+
+    def _execute(self, run: Run) -> None:
+        i = self.replica_id
+        try:
+            if run.stopped:  # stopped before this thread got to it
+                return
+            with context.frame(run.strategy, run.contexts[i]), timeline.span("run", "run"):
+                result = run.fn(*run.args[i], **run.kwargs[i])
+            run.results[i] = result
+            run.report(i, DONE)
+        except RequestedStop:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of run, which re-raises it
+            run.fail(i, exc)
+        finally:
+            run.leave(i)
+
+    def rendezvous(self, run: Run, request: tuple) -> Any:
+        """Called on this thread by a collective: wait for the merge, return this replica's result."""
+        i = self.replica_id
+        run.requests[i] = request
+        run.merge_counts[i] += 1
+        with timeline.span(request[0], "merge_call"):
+            if not run.report(i, WAITING):
+                raise RequestedStop()
+            self.go.acquire()
+            while self.task is not None:  # lent to the merge: run a share of its work, then wait again
+                task, self.task = self.task, None
+                task()
+                self.go.acquire()
+        if run.stopped:
+            raise RequestedStop()
+        return run.merge_results[i]
+
+    def retire(self) -> None:
+        """Ends the thread once it is back from whatever it is doing; it takes no further run."""
+        self.run = None
+        self.retired = True
+        try:
+            self.go.release()  # wakes it if it waits for a run
+        except RuntimeError:  # already released and not yet taken: it will see `retired`
+            pass
+
+    def stack(self) -> str:
+        """Where the thread is now: its innermost Python frames, or a note that it has ended."""
+        frame = sys._current_frames().get(self.thread.ident)
+        if frame is None:
+            return "    (the thread has ended)\n"
+        return "".join(traceback.format_stack(frame, limit=_STACK_FRAMES))
+
+
+def executing_worker() -> ReplicaThread | None:
+    """The ReplicaThread whose thread is calling, or None on any other thread."""
+    return getattr(_executing, "worker", None)
+
+
+def retire_all(threads: list[ReplicaThread]) -> None:
+    """Ends every thread of `threads` (a dropped or closed strategy's); they exit once idle."""
+    for worker in threads:
+        worker.retire()
+    threads.clear()

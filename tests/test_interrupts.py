@@ -1,0 +1,160 @@
+"""Ctrl-C (a real SIGINT to a real process) never leaves mirrored copies unequal, reaches the caller promptly,
+and leaves the strategy whole and usable."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(os.name != "posix", reason="POSIX signals")]
+
+INTERRUPTS = 6
+
+PRELUDE = """
+import json, threading, time
+import numpy as np
+import distrib
+
+strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+
+def copies_equal(variable):
+    copies = [c.numpy() for c in variable.values]
+    return all(np.array_equal(copies[0], c) for c in copies[1:])
+
+def replica_threads():
+    return sum(t.name.startswith("distrib-replica-") and t.is_alive() for t in threading.enumerate())
+
+def report(**fields):
+    print(json.dumps(fields), flush=True)
+"""
+
+
+class Child:
+    """A Python process running `script` after PRELUDE, read line by line as JSON."""
+
+    def __init__(self, script: str, loop: str = ""):
+        source = PRELUDE + textwrap.dedent(script) + loop
+        self.process = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def read(self, timeout: float = 20.0) -> dict:
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        assert ready, f"the child said nothing for {timeout} s"
+        line = self.process.stdout.readline()
+        assert line, f"the child ended (exit status {self.process.wait()})"
+        return json.loads(line)
+
+    def interrupt(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+
+    def finish(self) -> int:
+        try:
+            return self.process.wait(timeout=20)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+
+
+def interrupt_repeatedly(child: Child) -> list[dict]:
+    assert child.read() == {"ready": True}
+    reports = []
+    for _ in range(INTERRUPTS):
+        time.sleep(random.uniform(0.02, 0.12))  # lands anywhere in the loop: mostly inside the updates
+        child.interrupt()
+        reports.append(child.read())
+    return reports
+
+
+LOOP = """
+report(ready=True)
+interrupts = 0
+while interrupts < {interrupts}:
+    try:
+        while True:
+            STEP()
+    except KeyboardInterrupt:
+        interrupts += 1
+        report(equal=CHECK())
+STEP()  # still usable
+report(equal=CHECK(), threads=replica_threads())
+"""
+
+
+def test_ctrl_c_during_cross_replica_updates_leaves_every_copy_equal():
+    child = Child("""
+        with strategy.scope():
+            v = distrib.Variable(np.zeros(500_000, np.float32))  # each copy's update takes a while
+        STEP = lambda: v.assign_add(np.float32(1))
+        CHECK = lambda: copies_equal(v)
+    """, LOOP.format(interrupts=INTERRUPTS))
+    reports = interrupt_repeatedly(child)
+    assert reports == [{"equal": True}] * INTERRUPTS
+    assert child.read() == {"equal": True, "threads": 0}  # no run: no replica threads
+    assert child.finish() == 0
+
+
+def test_ctrl_c_during_training_steps_leaves_variables_and_slots_equal_and_threads_usable():
+    child = Child("""
+        with strategy.scope():
+            weights = [distrib.Variable(np.zeros(100_000, np.float32)) for _ in range(8)]
+            optimizer = distrib.optimizers.Adam(0.01)
+
+        def train_step():
+            i = distrib.get_replica_context().replica_id_in_sync_group
+            optimizer.apply_gradients([(np.full(w.shape, i + 1.0, np.float32), w) for w in weights])
+
+        STEP = lambda: strategy.run(train_step)
+        CHECK = lambda: all(copies_equal(w) for w in weights) and copies_equal(optimizer.iterations)
+    """, LOOP.format(interrupts=INTERRUPTS))
+    reports = interrupt_repeatedly(child)
+    assert reports == [{"equal": True}] * INTERRUPTS
+    assert child.read() == {"equal": True, "threads": 4}
+    assert child.finish() == 0
+
+
+def test_ctrl_c_reaches_the_caller_promptly_and_the_stuck_replica_never_joins_a_later_run():
+    child = Child("""
+        gate, stale_collective = threading.Event(), threading.Event()
+        first = True
+
+        def step():
+            ctx = distrib.get_replica_context()
+            if first and ctx.replica_id_in_sync_group == 1:
+                report(stuck=True)
+                gate.wait()  # stuck in user code until the caller has been interrupted
+                stale_collective.set()
+            return ctx.all_reduce("SUM", np.float32(1000 if first else 1))
+
+        try:
+            strategy.run(step)
+        except KeyboardInterrupt:
+            report(interrupted=True)
+        first = False
+        gate.set()
+
+        def later_step():
+            stale_collective.wait(5)  # the interrupted run's replica 1 reaches its all_reduce about now
+            return step()
+
+        out = strategy.run(later_step)
+        report(sums=[float(x) for x in strategy.experimental_local_results(out)])
+        deadline = time.monotonic() + 5
+        while replica_threads() > 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        report(threads=replica_threads())
+    """)
+    assert child.read() == {"stuck": True}
+    child.interrupt()
+    assert child.read(timeout=5.0) == {"interrupted": True}  # no waiting for the stuck replica
+    assert child.read() == {"sums": [4.0, 4.0, 4.0, 4.0]}
+    assert child.read() == {"threads": 4}
+    assert child.finish() == 0

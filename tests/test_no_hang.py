@@ -1,0 +1,204 @@
+"""No hang anywhere: forks, replicas stuck outside collectives, runs started from helper threads, NaN timeouts;
+and nothing kept alive: failed runs, dropped and closed strategies."""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+import distrib
+from distrib import CommunicationOptions, RunOptions
+from distrib.errors import ContextError, DeadlineExceededError
+
+pytestmark = pytest.mark.timeout(60)
+
+DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+
+
+class StepFailed(Exception):
+    """A user's exception, raised inside a replica function."""
+
+
+def replica_threads() -> int:
+    return sum(t.name.startswith("distrib-replica-") and t.is_alive() for t in threading.enumerate())
+
+
+def wait_until(condition, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def sum_of_ones(strategy) -> list[float]:
+    out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1)))
+    return [float(x) for x in strategy.experimental_local_results(out)]
+
+
+@pytest.fixture
+def strategy():
+    with distrib.MirroredStrategy(DEVICES) as strategy:
+        yield strategy
+
+
+# -- no hang ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_runs_the_strategy_on_threads_of_its_own(strategy):
+    assert sum_of_ones(strategy) == [4.0] * 4  # the parent's threads are running
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the strategy has no threads until it makes new ones
+        status = 3
+        try:
+            options = CommunicationOptions(timeout_seconds=5)
+            out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1), options))
+            status = 0 if [float(x) for x in strategy.experimental_local_results(out)] == [4.0] * 4 else 1
+        finally:
+            os._exit(status)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's run hung")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert sum_of_ones(strategy) == [4.0] * 4  # the parent is unaffected
+
+
+def test_a_run_timeout_names_the_stuck_replica_and_shows_where_it_is(strategy):
+    gate = threading.Event()
+
+    def step():
+        if distrib.get_replica_context().replica_id_in_sync_group == 2:
+            gate.wait()  # stuck outside any collective
+        return 1
+
+    with pytest.raises(DeadlineExceededError, match=r"Strategy.run did not finish within RunOptions") as excinfo:
+        strategy.run(step, options=RunOptions(timeout_seconds=0.3))
+    gate.set()
+    assert excinfo.value.missing_replicas == (2,)
+    assert "Replica 2 is at:" in str(excinfo.value) and "gate.wait()" in str(excinfo.value)
+    assert sum_of_ones(strategy) == [4.0] * 4
+
+
+def test_a_collective_timeout_shows_where_the_missing_replica_is(strategy):
+    gate = threading.Event()
+
+    def step():
+        ctx = distrib.get_replica_context()
+        if ctx.replica_id_in_sync_group == 1:
+            gate.wait()
+        return ctx.all_reduce("SUM", np.float32(1), CommunicationOptions(timeout_seconds=0.3))
+
+    with pytest.raises(DeadlineExceededError, match="all_reduce timed out after 0.3 s") as excinfo:
+        strategy.run(step)
+    gate.set()
+    assert excinfo.value.missing_replicas == (1,)
+    assert "Replica 1 is at:" in str(excinfo.value) and "gate.wait()" in str(excinfo.value)
+
+
+def test_run_from_a_helper_thread_of_a_replica_ends_in_a_deadline_not_a_hang(strategy):
+    errors = []
+
+    def nested():
+        try:
+            strategy.run(lambda: None, options=RunOptions(timeout_seconds=0.3))
+        except DeadlineExceededError as exc:
+            errors.append(exc)
+
+    def step():
+        if distrib.get_replica_context().replica_id_in_sync_group == 0:
+            helper = threading.Thread(target=nested)
+            helper.start()
+            helper.join()
+        return 1
+
+    strategy.run(step)
+    assert len(errors) == 1 and str(errors[0]).startswith("Strategy.run waited 0.3 s for this strategy's run")
+    assert sum_of_ones(strategy) == [4.0] * 4
+
+
+@pytest.mark.parametrize("make", [lambda t: CommunicationOptions(timeout_seconds=t),
+                                  lambda t: RunOptions(timeout_seconds=t)])
+def test_a_nan_timeout_is_a_value_error(make):
+    with pytest.raises(ValueError, match="(RunOptions.)?timeout_seconds must be"):
+        make(math.nan)
+
+
+def test_a_nan_timeout_in_the_environment_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("DISTRIB_COLLECTIVE_TIMEOUT", "nan")
+    with pytest.raises(ValueError, match="DISTRIB_COLLECTIVE_TIMEOUT must be positive"):
+        distrib.MirroredStrategy(DEVICES)
+
+
+def test_an_infinite_timeout_waits_forever_and_healthy_collectives_pass(monkeypatch):
+    monkeypatch.setenv("DISTRIB_COLLECTIVE_TIMEOUT", "inf")
+    with distrib.MirroredStrategy(DEVICES) as strategy:
+        assert sum_of_ones(strategy) == [4.0] * 4
+        out = strategy.run(lambda: 1, options=RunOptions(timeout_seconds=math.inf))
+        assert out == 1
+
+
+# -- nothing kept alive ---------------------------------------------------------------------------------------
+
+class Payload:
+    """Stands for a replica function's large locals (activations, batches)."""
+
+
+def test_failed_runs_free_their_locals_without_a_garbage_collection(strategy):
+    kept = []
+
+    def step():
+        payload = Payload()
+        kept.append(weakref.ref(payload))
+        raise StepFailed("boom")
+
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(5):
+            with pytest.raises(StepFailed):
+                strategy.run(step)
+        assert len(kept) >= 5 and [ref() for ref in kept] == [None] * len(kept)
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_strategy_ends_its_threads_without_a_garbage_collection():
+    gc.collect()
+    before = replica_threads()
+    gc.disable()
+    try:
+        for _ in range(3):
+            strategy = distrib.MirroredStrategy(DEVICES)
+            assert sum_of_ones(strategy) == [4.0] * 4
+            del strategy
+        assert wait_until(lambda: replica_threads() == before)
+    finally:
+        gc.enable()
+
+
+def test_a_closed_strategy_ends_its_threads_and_refuses_to_run():
+    before = replica_threads()
+    with distrib.MirroredStrategy(DEVICES) as strategy:
+        assert sum_of_ones(strategy) == [4.0] * 4
+        assert replica_threads() == before + 4
+    assert wait_until(lambda: replica_threads() == before)
+    assert repr(strategy) == "<MirroredStrategy devices=('CPU:0', 'CPU:1', 'CPU:2', 'CPU:3') closed>"
+    with pytest.raises(ContextError, match=r"<MirroredStrategy .* closed> is closed: create a new strategy"):
+        strategy.run(lambda: None)
+    strategy.close()  # twice is fine
+
+
+def test_close_inside_the_strategys_own_run_is_a_context_error(strategy):
+    with pytest.raises(ContextError, match="Strategy.close cannot be called inside"):
+        strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: s.close()))
+    assert sum_of_ones(strategy) == [4.0] * 4
