@@ -142,8 +142,6 @@ class ReplicaThread:
     def _execute(self, run: Run) -> None:
         i = self.replica_id
         try:
-            if run.stopped:  # stopped before this thread got to it
-                return
             with context.frame(run.strategy, run.contexts[i]), timeline.span("run", "run"):
                 result = run.fn(*run.args[i], **run.kwargs[i])
             run.results[i] = result
