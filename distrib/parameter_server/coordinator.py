@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import collections
 import itertools
 import threading
+import weakref
 from typing import Any, Callable
 
 import optree
 
-from distrib.errors import ContextError, WorkerError
-from distrib.parameter_server import ray_runtime
+from distrib.errors import ContextError
+from distrib.parameter_server.dispatch import Closure, ClosureQueue
 from distrib.parameter_server.worker import PerWorkerDataset
 
-_FORGET_EVERY = 64  # finished closures whose write tags the servers drop in one message
-MAX_ATTEMPTS = 4  # a closure whose worker dies this many times running it fails instead of killing them all
 
 
 class RemoteValue:
@@ -47,13 +45,6 @@ class RemoteValue:
     def __repr__(self) -> str:
         state = "pending" if not self._done.is_set() else ("failed" if self._error else "done")
         return f"<RemoteValue closure={self._closure_id} {state}>"
-
-
-class _Closure:
-    def __init__(self, closure_id: int, fn: Callable, args: tuple, kwargs: dict):
-        self.id, self.fn, self.args, self.kwargs = closure_id, fn, args, kwargs
-        self.result = RemoteValue(closure_id)
-        self.attempts = 0
 
 
 class ClusterCoordinator:
@@ -101,17 +92,9 @@ class ClusterCoordinator:
 
     def _start(self, strategy: Any) -> None:
         self._strategy = strategy
-        self._workers = strategy._cluster.start_workers()
         self._ids = itertools.count()
-        self._queue: collections.deque[_Closure | None] = collections.deque()
-        self._lock = threading.Condition()
-        self._unfinished = 0
-        self._errors: list[BaseException] = []
-        self._finished_ids: list[int] = []
-        self._threads = [threading.Thread(target=self._dispatch, args=(i,), daemon=True,
-                                          name=f"distrib-ps-worker-{i}") for i in range(len(self._workers))]
-        for thread in self._threads:
-            thread.start()
+        self._queue = ClosureQueue(strategy._cluster.start_workers(), strategy._cluster.forget)
+        weakref.finalize(self, self._queue.stop)  # a coordinator dropped with its strategy ends its threads
 
     @property
     def strategy(self) -> Any:
@@ -130,26 +113,20 @@ class ClusterCoordinator:
             raise TypeError(f"args must be a tuple or list. Received: {type(args).__name__}.")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict. Received: {type(kwargs).__name__}.")
-        closure = _Closure(next(self._ids), fn, tuple(args or ()), dict(kwargs or {}))
-        with self._lock:
-            self._unfinished += 1
-            self._queue.append(closure)
-            self._lock.notify_all()
+        closure = Closure(next(self._ids), fn, tuple(args or ()), dict(kwargs or {}), RemoteValue)
+        self._queue.put(closure)
         return closure.result
 
     def join(self) -> None:
         """Waits until every scheduled closure has finished; raises the first error one of them raised."""
-        with self._lock:
-            self._lock.wait_for(lambda: self._unfinished == 0)
-        self._forget_finished()
-        self._raise_error()
+        self._queue.wait_until_finished()
+        self._queue.raise_error()
 
     def done(self) -> bool:
         """Whether every scheduled closure has finished; raises the first error one of them raised."""
-        with self._lock:
-            finished = self._unfinished == 0
+        finished = self._queue.finished()
         if finished:
-            self._raise_error()
+            self._queue.raise_error()
         return finished
 
     def fetch(self, val: Any) -> Any:
@@ -168,61 +145,4 @@ class ClusterCoordinator:
         return PerWorkerDataset(dataset_fn)
 
     def __repr__(self) -> str:
-        return f"<ClusterCoordinator workers={len(self._workers)} unfinished={self._unfinished}>"
-
-    # -- the dispatcher threads, one per worker ---------------------------------------------------------
-
-    def _dispatch(self, index: int) -> None:
-        died = ray_runtime.actor_died_errors()
-        while True:
-            with self._lock:
-                self._lock.wait_for(lambda: self._queue)
-                closure = self._queue.popleft()
-            if closure is None:
-                return
-            closure.attempts += 1
-            try:
-                status, value = ray_runtime.get(self._workers[index].run.remote(closure.id, closure.fn,
-                                                                                closure.args, closure.kwargs))
-            except died as exc:  # the worker's process died mid-closure: Ray restarts it; the closure runs again
-                if closure.attempts < MAX_ATTEMPTS:
-                    with self._lock:
-                        self._queue.appendleft(closure)
-                        self._lock.notify_all()
-                    continue
-                status, value = "error", WorkerError(
-                    f"A scheduled closure's worker died each of the {closure.attempts} times it ran it (a crash, "
-                    f"out of memory, or a kill, not an exception). Received: closure {closure.id}, "
-                    f"{getattr(closure.fn, '__name__', closure.fn)!r}; last: {type(exc).__name__}.")
-            except Exception as exc:  # noqa: BLE001 - e.g. a closure that cannot be pickled
-                status, value = "error", exc
-            self._finish(closure, value if status == "ok" else None, value if status == "error" else None)
-
-    def _finish(self, closure: _Closure, value: Any, error: BaseException | None) -> None:
-        closure.result._set(value, error)
-        with self._lock:
-            if error is not None:
-                self._errors.append(error)
-            self._finished_ids.append(closure.id)
-            self._unfinished -= 1
-            forget = len(self._finished_ids) >= _FORGET_EVERY
-            self._lock.notify_all()
-        if forget:
-            self._forget_finished()
-
-    def _forget_finished(self) -> None:
-        with self._lock:
-            ids, self._finished_ids = self._finished_ids, []
-        if ids:
-            self._strategy._cluster.forget(ids)
-
-    def _raise_error(self) -> None:
-        with self._lock:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise errors[0]
-
-    def _shutdown(self) -> None:
-        with self._lock:
-            self._queue.extend([None] * len(self._threads))
-            self._lock.notify_all()
+        return f"<ClusterCoordinator workers={self._queue.num_workers} unfinished={self._queue.unfinished}>"

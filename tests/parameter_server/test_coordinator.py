@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -13,7 +15,7 @@ import distrib
 from distrib.cluster_resolver import RayClusterResolver
 from distrib.coordinator import ClusterCoordinator
 from distrib.errors import ParameterServerError, WorkerError
-from distrib.parameter_server import coordinator as coordinator_module
+from distrib.parameter_server import dispatch
 from distrib.experimental.partitioners import FixedShardsPartitioner
 
 pytestmark = pytest.mark.timeout(90)
@@ -154,7 +156,7 @@ def test_a_killed_worker_loses_no_closure_and_applies_none_twice(strategy, coord
 
 
 def test_a_closure_whose_worker_dies_every_time_fails_with_a_typed_error(coordinator, monkeypatch):
-    monkeypatch.setattr(coordinator_module, "MAX_ATTEMPTS", 2)
+    monkeypatch.setattr(dispatch, "MAX_ATTEMPTS", 2)
 
     def crash():
         os.kill(os.getpid(), signal.SIGKILL)  # as a segfault or the OOM killer would
@@ -197,3 +199,25 @@ def test_a_dead_parameter_server_raises_a_typed_error_and_training_resumes_from_
     distrib.Checkpoint(a=a, b=b).restore(path)
     assert a.numpy().tolist() == [1, 1, 1] and b.numpy().tolist() == [1, 1, 1]
     resumed._cluster.shutdown()
+
+
+def test_a_dropped_strategy_ends_its_threads_and_actors(ray_cluster):
+    strategy = distrib.ParameterServerStrategy(RayClusterResolver(num_workers=1, num_ps=1))
+    with strategy.scope():
+        v = distrib.Variable(np.zeros(1), name="v")
+    before = set(threading.enumerate())
+    coordinator = ClusterCoordinator(strategy)
+    worker_pid = coordinator.schedule(os.getpid).fetch()
+    threads = {t for t in set(threading.enumerate()) - before if t.name.startswith("distrib-ps-worker")}
+    del strategy, coordinator, v
+    gc.collect()
+
+    def gone(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    wait_until(lambda: gone(worker_pid) and not any(t.is_alive() for t in threads), "the worker to end")
+    assert threads

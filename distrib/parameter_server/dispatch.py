@@ -1,0 +1,122 @@
+"""The closure queue: one dispatcher thread per worker takes the next closure, re-queues it if the worker died."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable
+
+from distrib.errors import WorkerError
+from distrib.parameter_server import ray_runtime
+
+FORGET_EVERY = 64  # finished closures whose write tags the servers drop in one message
+MAX_ATTEMPTS = 4  # a closure whose worker dies this many times running it fails, instead of killing them all
+
+
+class Closure:
+    """A scheduled call: `fn(*args, **kwargs)`, its result holder, and how many times a worker began it."""
+
+    def __init__(self, closure_id: int, fn: Callable, args: tuple, kwargs: dict, result_type: type):
+        self.id, self.fn, self.args, self.kwargs = closure_id, fn, args, kwargs
+        self.result = result_type(closure_id)
+        self.attempts = 0
+
+
+class ClosureQueue:
+    """Closures waiting for a worker, and the threads that feed them to the workers, one thread per worker.
+
+    The threads hold this queue, not the coordinator, so a coordinator dropped with its strategy can be
+    collected; `stop()` ends them.
+
+    Args:
+      workers: the worker actors.
+      forget: called with the ids of finished closures, so that the servers drop their write tags.
+    """
+
+    def __init__(self, workers: list[Any], forget: Callable[[list[int]], None]):
+        self._workers, self._forget = workers, forget
+        self._queue: collections.deque[Closure | None] = collections.deque()
+        self._lock = threading.Condition()
+        self.unfinished = 0
+        self._errors: list[BaseException] = []
+        self._finished_ids: list[int] = []
+        self._threads = [threading.Thread(target=self._dispatch, args=(i,), daemon=True,
+                                          name=f"distrib-ps-worker-{i}") for i in range(len(workers))]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def put(self, closure: Closure) -> None:
+        with self._lock:
+            self.unfinished += 1
+            self._queue.append(closure)
+            self._lock.notify_all()
+
+    def finished(self) -> bool:
+        with self._lock:
+            return self.unfinished == 0
+
+    def wait_until_finished(self) -> None:
+        with self._lock:
+            self._lock.wait_for(lambda: self.unfinished == 0)
+        self._forget_finished()
+
+    def raise_error(self) -> None:
+        """Raises the first error a closure raised since the last call, if any (each error is raised once)."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise errors[0]
+
+    def stop(self) -> None:
+        """Ends the threads once the closures queued so far are done."""
+        with self._lock:
+            self._queue.extend([None] * len(self._threads))
+            self._lock.notify_all()
+
+    def _dispatch(self, index: int) -> None:
+        died = ray_runtime.actor_died_errors()
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._queue)
+                closure = self._queue.popleft()
+            if closure is None:
+                return
+            closure.attempts += 1
+            try:
+                status, value = ray_runtime.get(self._workers[index].run.remote(closure.id, closure.fn,
+                                                                                closure.args, closure.kwargs))
+            except died as exc:  # the worker's process died mid-closure: Ray restarts it; the closure runs again
+                if closure.attempts < MAX_ATTEMPTS:
+                    with self._lock:
+                        self._queue.appendleft(closure)
+                        self._lock.notify_all()
+                    continue
+                status, value = "error", WorkerError(
+                    f"A scheduled closure's worker died each of the {closure.attempts} times it ran it (a crash, "
+                    f"out of memory, or a kill, not an exception). Received: closure {closure.id}, "
+                    f"{getattr(closure.fn, '__name__', closure.fn)!r}; last: {type(exc).__name__}.")
+            except Exception as exc:  # noqa: BLE001 - e.g. a closure that cannot be pickled
+                status, value = "error", exc
+            self._finish(closure, value if status == "ok" else None, value if status == "error" else None)
+
+    def _finish(self, closure: Closure, value: Any, error: BaseException | None) -> None:
+        closure.result._set(value, error)
+        with self._lock:
+            if error is not None:
+                self._errors.append(error)
+            self._finished_ids.append(closure.id)
+            self.unfinished -= 1
+            forget = len(self._finished_ids) >= FORGET_EVERY
+            self._lock.notify_all()
+        if forget:
+            self._forget_finished()
+
+    def _forget_finished(self) -> None:
+        with self._lock:
+            ids, self._finished_ids = self._finished_ids, []
+        if ids:
+            self._forget(ids)
