@@ -19,6 +19,24 @@ class RemoteValue:
     """The result of a scheduled closure, available once a worker has run it.
 
     `fetch()` (and `get()`) waits for it and returns it, or raises the closure's error as its own type.
+
+    Args:
+      closure_id: the scheduled closure's number, in scheduling order.
+
+    Example:
+      >>> import distrib
+      >>> strategy = distrib.ParameterServerStrategy(distrib.cluster_resolver.RayClusterResolver(1, 1))
+      >>> coordinator = distrib.coordinator.ClusterCoordinator(strategy)
+      >>> result = coordinator.schedule(lambda: {"loss": 0.25})
+      >>> result.fetch()
+      {'loss': 0.25}
+      >>> failed = coordinator.schedule(lambda: 1 / 0)
+      >>> failed.fetch()
+      Traceback (most recent call last):
+      ZeroDivisionError: division by zero
+      >>> coordinator.join()
+      Traceback (most recent call last):
+      ZeroDivisionError: division by zero
     """
 
     def __init__(self, closure_id: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np
@@ -60,8 +61,6 @@ class ParameterServer:
             self._applied.pop(closure_id, None)
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
     def _claim(self, tag: Tag) -> bool:

@@ -31,7 +31,19 @@ class PerWorkerValues:
 
 class PerWorkerDataset(PerWorkerValues):
     """A dataset made on each worker (`ClusterCoordinator.create_per_worker_dataset`); `iter()` gives per-worker
-    iterators."""
+    iterators.
+
+    Args:
+      make: called with no arguments on each worker, the first time a closure there uses the dataset.
+
+    Example:
+      >>> import distrib
+      >>> strategy = distrib.ParameterServerStrategy(distrib.cluster_resolver.RayClusterResolver(1, 1))
+      >>> coordinator = distrib.coordinator.ClusterCoordinator(strategy)
+      >>> iterator = iter(coordinator.create_per_worker_dataset(lambda: range(100, 200)))
+      >>> [coordinator.schedule(next, args=(iterator,)).fetch() for _ in range(3)]  # one worker: its own order
+      [100, 101, 102]
+    """
 
     def __iter__(self) -> "PerWorkerIterator":
         make = self._make
