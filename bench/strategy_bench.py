@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH.parent))  # benchmark the checkout this file belong
 
 import distrib  # noqa: E402
 from distrib.backends.parallel import usable_cores  # noqa: E402
+from distrib.cli.bench.runners import sum_in_order  # noqa: E402
 from measure import BATCH_COUNT, BATCH_ELEMENTS, VECTOR_ELEMENTS, WORKLOADS, per_step_us  # noqa: E402
 
 TARGET_REPLICAS = 4
@@ -43,13 +44,7 @@ def merge_call_step():
 
 def sum_into(parts: list[np.ndarray], outs: list[np.ndarray], copy_out: bool) -> None:
     """The floor of one all-reduce: n-1 in-place adds into outs[0] (a copy for n=1), then optionally the copies."""
-    total = outs[0]
-    if len(parts) == 1:
-        np.copyto(total, parts[0])
-    else:
-        np.add(parts[0], parts[1], out=total)
-        for part in parts[2:]:
-            np.add(total, part, out=total)
+    total = sum_in_order(outs[0], parts)
     if copy_out:
         for out in outs[1:]:
             np.copyto(out, total)

@@ -183,12 +183,7 @@ class NumpySeries:
                 np.copyto(target, source)
 
         def sum_into(out, parts):
-            if len(parts) == 1:
-                np.copyto(out, parts[0])
-            else:
-                np.add(parts[0], parts[1], out=out)
-                for part in parts[2:]:
-                    np.add(out, part, out=out)
+            sum_in_order(out, parts)
             if spec.op == "avg":
                 np.true_divide(out, n, out=out)
             return out
@@ -216,6 +211,17 @@ class NumpySeries:
         if name == "reduce":
             return Prepared(lambda: [step()[0] if r == spec.root else None for r in range(n)], _nothing, reset, list)
         return Prepared(step, _nothing, reset, list)
+
+
+def sum_in_order(out: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The floor of a reduction: `parts` summed into `out` in order, n-1 in-place adds (a copy for one part)."""
+    if len(parts) == 1:
+        np.copyto(out, parts[0])
+    else:
+        np.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            np.add(out, part, out=out)
+    return out
 
 
 def _home_first(arrays: list, home: int) -> list:
