@@ -1,9 +1,9 @@
 """The CPU emulator across processes: each process sums its replicas in order, then MPI sums the processes.
 
-Bytes move through mpi4py's buffer interface (`Iallreduce`, `Iallgather`, `Ibcast` on NumPy buffers, in place
+Bytes move through mpi4py's buffer interface (`Allreduce`, `Allgatherv`, `Bcast` on NumPy buffers, in place
 where MPI allows), never pickled. The same plans and packing as one process run here: each buffer is packed per
-replica, summed over this process's replicas in replica order, and every chunk is one MPI call, all of a
-plan's calls in flight at once. Float results equal one process's up to rounding (the sum is grouped by
+replica, summed over this process's replicas in replica order, and every chunk is one MPI call, made once every
+rank has reached the collective (see process_group.py). Float results equal one process's up to rounding (the sum is grouped by
 process); integer results are exact. float16 and bfloat16, which MPI has no type for, travel as float32.
 """
 
@@ -55,39 +55,47 @@ class MpiBackend(CpuBackend):
     def _op(self, dtype: np.dtype) -> Any:
         return getattr(self.group.MPI, _MPI_TYPES.get(dtype_name(dtype), ("FLOAT", "SUM"))[1])
 
-    def _local_sum(self, flats: Sequence[np.ndarray]) -> np.ndarray:
-        """A new writable buffer: this process's replicas summed in replica order."""
+    def _local_sum(self, flats: Sequence[np.ndarray]) -> tuple[np.ndarray | None, np.ndarray]:
+        """(what this process sends, a new writable buffer the sum lands in). One replica sends its own buffer,
+        which MPI copies as it sums; several are summed here in replica order, and reduced in place."""
         total = self._pool.empty(flats[0].shape, flats[0].dtype)
         if len(flats) == 1:
+            if dtype_name(total.dtype) in _MPI_TYPES and flats[0].flags.c_contiguous:
+                return flats[0], total
             np.copyto(total, flats[0])
         else:
             np.add(flats[0], flats[1], out=total)
             for flat in flats[2:]:
                 np.add(total, flat, out=total)
-        return total
+        return None, total
 
-    def _sum_across(self, totals: Sequence[np.ndarray], chunks: Sequence[Sequence[tuple[int, int]]], what: str,
-                    timeout: float | None) -> None:
-        """Sums every process's `totals` in place, one MPI call per chunk, all calls in flight together."""
+    def _sum_across(self, sums: Sequence[tuple[np.ndarray | None, np.ndarray]],
+                    chunks: Sequence[Sequence[tuple[int, int]]], what: str, timeout: float | None) -> list[np.ndarray]:
+        """Every process's sums (from `_local_sum`) summed, one MPI call per chunk; returns the totals."""
         MPI, comm = self.group.MPI, self.group.comm
+        totals = [total for _, total in sums]
         wires = [self._buffer(total) for total in totals]
 
-        def start():
-            return [comm.Iallreduce(MPI.IN_PLACE, [wire[a:b], spec[1]], self._op(total.dtype))
-                    for (wire, spec), total, bounds in zip(wires, totals, chunks) for a, b in bounds]
+        def call():
+            for (send, total), (wire, spec), bounds in zip(sums, wires, chunks):
+                op = self._op(total.dtype)
+                for a, b in bounds:
+                    source = MPI.IN_PLACE if send is None else [send[a:b], spec[1]]
+                    comm.Allreduce(source, [wire[a:b], spec[1]], op)
 
-        self.group.run(what, start, timeout)
+        self.group.run(what, call, timeout)
         for (wire, _), total in zip(wires, totals):
             if wire is not total:
                 np.copyto(total, wire, casting="unsafe")
+        return totals
 
     def execute(self, plan: AllReducePlan, per_device, devices, *, timeout=None):
         self._refuse_nccl(plan, devices)
         count = self.group.num_replicas
         buffers = plan.packing.buffers
-        totals = [self._local_sum([self.pack([values[m.index] for m in buffer.members], buffer, device)
-                                   for values, device in zip(per_device, devices)]) for buffer in buffers]
-        self._sum_across(totals, [b.chunks for b in buffers], "all_reduce", timeout)
+        sums = [self._local_sum([self.pack([values[m.index] for m in buffer.members], buffer, device)
+                                 for values, device in zip(per_device, devices)]) for buffer in buffers]
+        totals = self._sum_across(sums, [b.chunks for b in buffers], "all_reduce", timeout)
         results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
         for buffer, total in zip(buffers, totals):
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
@@ -108,8 +116,7 @@ class MpiBackend(CpuBackend):
                 f"over MPI. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices.")
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
-        total = self._local_sum(flats)
-        self._sum_across([total], [chunks], "all_reduce", timeout)
+        (total,) = self._sum_across([self._local_sum(flats)], [chunks], "all_reduce", timeout)
         if mean:
             np.true_divide(total, self.group.num_replicas, out=total)
         return shared_views(total, len(devices))
@@ -126,8 +133,8 @@ class MpiBackend(CpuBackend):
         if mpi_type is MPI.BYTE:  # no MPI type (float16, bfloat16): gather the bytes
             counts = [c * local.itemsize for c in counts]
         displacements = np.cumsum([0] + counts[:-1]).tolist()
-        group.run("all_gather", lambda: [group.comm.Iallgatherv(
-            [local, mpi_type], [gathered, (counts, displacements), mpi_type])], timeout)
+        group.run("all_gather", lambda: group.comm.Allgatherv(
+            [local, mpi_type], [gathered, (counts, displacements), mpi_type]), timeout)
         return shared_views(gathered, len(devices))
 
     def reduce_scatter(self, flats, devices, *, timeout=None):
@@ -135,8 +142,7 @@ class MpiBackend(CpuBackend):
         n = self.group.num_replicas
         if flats[0].size % n:
             raise ValueError(f"reduce_scatter needs a length divisible by {n} replicas. Received: {flats[0].size}.")
-        total = self._local_sum(flats)
-        self._sum_across([total], [((0, total.size),)], "reduce_scatter", timeout)
+        (total,) = self._sum_across([self._local_sum(flats)], [((0, flats[0].size),)], "reduce_scatter", timeout)
         part, first = total.size // n, self.group.first_replica
         return [self.copy(total[(first + i) * part:(first + i + 1) * part], d) for i, d in enumerate(devices)]
 
@@ -145,7 +151,7 @@ class MpiBackend(CpuBackend):
         group = self.group
         out = self.copy(array, devices[0])
         wire, spec = self._buffer(out)
-        group.run("broadcast", lambda: [group.comm.Ibcast(spec, root=0)], timeout)
+        group.run("broadcast", lambda: group.comm.Bcast(spec, root=0), timeout)
         if wire is not out:
             np.copyto(out, wire, casting="unsafe")
         return shared_views(out, len(devices))
