@@ -16,6 +16,7 @@ import argparse
 import importlib.util
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -109,7 +110,7 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
     history = History()
     if args.resume:
         checkpoint.restore(checkpoint_path)
-        history = History.load(history_path, int(epoch.numpy()))
+        history = load_history(history_path, int(epoch.numpy()))
 
     def train_step(x, y):
         loss, grads = model.loss_and_gradients(x, y, dtype)
@@ -287,6 +288,32 @@ def make_strategy(args: argparse.Namespace) -> Strategy:
     return strategy
 
 
+def load_history(path: Path, epochs: int) -> History:
+    """The saved history's first `epochs` epochs; an empty one, with a warning, when the file is damaged.
+
+    The history only draws the loss curve: a truncated file must not stop a resume whose checkpoint is fine.
+    """
+    try:
+        return History.load(path, epochs)
+    except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError; wrong fields a TypeError
+        print(f"distrib train: {path} is damaged ({exc}); resuming from the checkpoint, with the loss curve "
+              f"restarting at epoch {epochs + 1}.", file=sys.stderr)
+        return History()
+
+
+def interrupted(args: argparse.Namespace, argv: list[str]) -> int:
+    """What Ctrl-C prints: where the last checkpoint is and the command that resumes from it; exit status 130."""
+    checkpoint = args.out / "ckpt"
+    if checkpoint.exists():
+        flags = [a for a in argv if a not in ("--resume", "--overwrite")]
+        print(f"\ndistrib train: interrupted; the step in progress was abandoned. The last checkpoint is "
+              f"{checkpoint}; resume with: {shlex.join(['distrib', 'train', *flags, '--resume'])}", file=sys.stderr)
+    else:
+        print("\ndistrib train: interrupted before the first checkpoint (written after each epoch); nothing to "
+              "resume.", file=sys.stderr)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses the flags, trains, and prints the test accuracy, wall time and throughput."""
     parser = build_parser()
@@ -313,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             raise
         parser.error(f"--resume: {exc}")
+    except KeyboardInterrupt:  # the strategy abandoned the step whole; checkpoints are written atomically
+        return interrupted(args, sys.argv[1:] if argv is None else list(argv)) if chief else 130
+    finally:
+        strategy.close()
     if chief:
         print(f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epochs; {result.seconds:.1f} s, "
               f"{result.samples_per_second:,.0f} samples/s")
