@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import threading
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, Buffer
 
 DEFAULT_REPLICAS = 2
+SMALL_MEMBER_BYTES = 1024  # results this small are copied out of their pooled pack (losses, metrics, counts)
 
 
 def _idle_refcount() -> int:
@@ -170,6 +172,7 @@ class CpuBackend(Backend):
             raise ValueError(f"The CPU emulator needs at least 1 replica. Received: {num_default_replicas}.")
         self._num_default = num_default_replicas
         self._pool = BufferPool()
+        self._small_copies: tuple | None = None  # (the pack's base, its Buffer, its small members' copies)
 
     @property
     def xp(self):
@@ -218,7 +221,31 @@ class CpuBackend(Backend):
         return flat
 
     def unpack(self, flat, buffer: Buffer):
-        return [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
+        views = [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
+        if flat.nbytes < BufferPool.MIN_BYTES or len(views) == 1:
+            return views  # not pooled (a pack this small is its own allocation), or the member is the pack
+        return self._owned_small_members(flat, buffer, views)
+
+    def _owned_small_members(self, flat: np.ndarray, buffer: Buffer, views: list) -> list:
+        """`views` with the small members copied out, so that a kept loss or metric does not pin its pack.
+
+        A view keeps its whole pooled pack alive (and out of the pool): 3,000 kept scalars would hold 3,000
+        packs. Members of at most SMALL_MEMBER_BYTES cost little to copy; each pack's copies are made once and
+        shared, read-only, by the replicas' results (which are views of one buffer on the emulator).
+        """
+        cached = self._small_copies
+        if cached is not None and cached[0]() is flat.base and cached[1] is buffer:
+            copies = cached[2]
+        else:
+            copies = {}
+            for k, view in enumerate(views):
+                if view.nbytes <= SMALL_MEMBER_BYTES:
+                    copies[k] = owned = view.copy()
+                    owned.flags.writeable = False
+            self._small_copies = (weakref.ref(flat.base), buffer, copies) if flat.base is not None else None
+        for k, owned in copies.items():
+            views[k] = owned.view()
+        return views
 
     def execute(self, plan, per_device, devices, *, timeout=None):
         if plan.method == NCCL:  # as TensorFlow fails at collective time on a machine without GPUs
