@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import _thread
-import sys
+import faulthandler
+import tempfile
 import threading
 import time
-import traceback
 from typing import Any, Callable, Sequence
 
 from distrib import context, timeline
@@ -180,11 +180,23 @@ class ReplicaThread:
             pass
 
     def stack(self) -> str:
-        """Where the thread is now: its innermost Python frames, or a note that it has ended."""
-        frame = sys._current_frames().get(self.thread.ident)
-        if frame is None:
+        """Where the thread is now: its innermost Python frames, or a note that it has ended.
+
+        Read with faulthandler, which takes no lock: `sys._current_frames()` waits for the interpreter's thread
+        list lock, which a process that forked, or runs native threads, may never give back.
+        """
+        if not self.thread.is_alive():
             return "    (the thread has ended)\n"
-        return "".join(traceback.format_stack(frame, limit=_STACK_FRAMES))
+        with tempfile.TemporaryFile("w+") as dump:
+            faulthandler.dump_traceback(dump, all_threads=True)
+            dump.seek(0)
+            text = dump.read()
+        header = f"Thread 0x{self.thread.ident:016x}"
+        for block in text.split("\n\n"):
+            if block.lstrip().startswith(header) or f"\n{header}" in block:
+                lines = [line for line in block.splitlines()[1:] if line.strip()]
+                return "".join(f"  {line.strip()}\n" for line in lines[:_STACK_FRAMES])
+        return "    (no stack available)\n"
 
 
 def executing_worker() -> ReplicaThread | None:

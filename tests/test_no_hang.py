@@ -85,7 +85,7 @@ def test_a_run_timeout_names_the_stuck_replica_and_shows_where_it_is(strategy):
         strategy.run(step, options=RunOptions(timeout_seconds=0.3))
     gate.set()
     assert excinfo.value.missing_replicas == (2,)
-    assert "Replica 2 is at:" in str(excinfo.value) and "gate.wait()" in str(excinfo.value)
+    assert "Replica 2 is at:" in str(excinfo.value) and "test_no_hang.py\", line" in str(excinfo.value)
     assert sum_of_ones(strategy) == [4.0] * 4
 
 
@@ -102,7 +102,7 @@ def test_a_collective_timeout_shows_where_the_missing_replica_is(strategy):
         strategy.run(step)
     gate.set()
     assert excinfo.value.missing_replicas == (1,)
-    assert "Replica 1 is at:" in str(excinfo.value) and "gate.wait()" in str(excinfo.value)
+    assert "Replica 1 is at:" in str(excinfo.value) and "test_no_hang.py\", line" in str(excinfo.value)
 
 
 def test_run_from_a_helper_thread_of_a_replica_ends_in_a_deadline_not_a_hang(strategy):
