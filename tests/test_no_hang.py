@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -50,27 +52,40 @@ def strategy():
 
 # -- no hang ----------------------------------------------------------------------------------------------------
 
+FORK_PROGRAM = """
+import os, sys, time
+import numpy as np
+import distrib
+
+def sum_of_ones(strategy, options=None):
+    out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1), options))
+    return [float(x) for x in strategy.experimental_local_results(out)]
+
+strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+assert sum_of_ones(strategy) == [4.0] * 4  # the parent's threads are running
+pid = os.fork()
+if pid == 0:  # the child: its copy of the strategy has no threads until it makes new ones
+    status = 3
+    try:
+        status = 0 if sum_of_ones(strategy, distrib.CommunicationOptions(timeout_seconds=5)) == [4.0] * 4 else 1
+    finally:
+        os._exit(status)
+deadline = time.monotonic() + 30
+while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+if done[0] == 0:
+    os.kill(pid, 9)
+    sys.exit("the forked child's run hung")
+assert sum_of_ones(strategy) == [4.0] * 4  # the parent is unaffected
+sys.exit(os.waitstatus_to_exitcode(done[1]))
+"""
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_forked_child_runs_the_strategy_on_threads_of_its_own(strategy):
-    assert sum_of_ones(strategy) == [4.0] * 4  # the parent's threads are running
-    pid = os.fork()
-    if pid == 0:  # the child: its copy of the strategy has no threads until it makes new ones
-        status = 3
-        try:
-            options = CommunicationOptions(timeout_seconds=5)
-            out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1), options))
-            status = 0 if [float(x) for x in strategy.experimental_local_results(out)] == [4.0] * 4 else 1
-        finally:
-            os._exit(status)
-    deadline = time.monotonic() + 30
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child's run hung")
-    assert os.waitstatus_to_exitcode(done[1]) == 0
-    assert sum_of_ones(strategy) == [4.0] * 4  # the parent is unaffected
+def test_a_forked_child_runs_the_strategy_on_threads_of_its_own():
+    # a fresh interpreter forks, not this one, whose other libraries' threads may not survive a fork
+    finished = subprocess.run([sys.executable, "-c", FORK_PROGRAM], capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0, finished.stderr
 
 
 def test_a_run_timeout_names_the_stuck_replica_and_shows_where_it_is(strategy):
