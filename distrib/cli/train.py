@@ -13,6 +13,7 @@ correct predictions, so it uses every test row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 import os
@@ -266,6 +267,31 @@ def replica_devices(replicas: int | None, available: tuple[str, ...]) -> list[st
     return [f"CPU:{i}" for i in range(replicas)]
 
 
+def blas_threads(replicas: int, cores: int) -> int:
+    """Each replica's BLAS threads: the cores but one (the driving thread's: input, merges) shared out, at least 1.
+
+    Replicas run their matmuls at once, so a BLAS that spreads each over every core oversubscribes them, and its
+    spinning threads then wait on each other: 1 replica on 2 cores with 2 OpenBLAS threads ran 20x slower.
+    """
+    return max(1, (cores - 1) // replicas)
+
+
+@contextlib.contextmanager
+def shared_cores(replicas: int):
+    """Limits BLAS and OpenMP to `blas_threads` inside the block (threadpoolctl: any BLAS); yields the limit."""
+    if importlib.util.find_spec("threadpoolctl") is None:
+        print("distrib train: threadpoolctl is not installed, so BLAS threads are not shared among the replicas "
+              "(pip install 'distrib[train]').", file=sys.stderr)
+        yield None
+        return
+    from threadpoolctl import threadpool_limits
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = blas_threads(replicas, cores)
+    with threadpool_limits(limits=threads):
+        yield threads
+
+
 def make_strategy(args: argparse.Namespace) -> Strategy:
     """The MirroredStrategy `--replicas` asks for, or under `mpirun -np N` (N > 1) a MultiWorkerMirroredStrategy
     with `--replicas` emulated replicas per process; ValueError if the batch or precision cannot run on it."""
@@ -334,8 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     if chief:
         print(f"{strategy!r}: {strategy.num_replicas_in_sync} replicas, global batch {args.global_batch_size}, "
               f"{args.optimizer} lr {args.learning_rate}, {args.precision}")
+    emulated = strategy.extended.backend.xp is np  # on GPUs the replicas' math is not the host's BLAS
     try:
-        result = train(args, strategy)
+        with shared_cores(len(strategy.extended.worker_devices)) if emulated else contextlib.nullcontext():
+            result = train(args, strategy)
     except CheckpointError as exc:  # a checkpoint that passed check_resume but does not fit the model
         if not args.resume:
             raise

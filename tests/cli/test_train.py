@@ -17,7 +17,7 @@ from distrib.backends import detect
 from distrib.datasets import load_digits
 from distrib.backends import cuda_problem
 from distrib.cli.progress import PlainProgress
-from distrib.cli.train import main as train_main, replica_devices
+from distrib.cli.train import blas_threads, main as train_main, replica_devices, shared_cores
 
 
 def test_the_digits_split_is_fixed_stratified_and_scaled():
@@ -188,3 +188,17 @@ def test_mixed_precision_trains_or_says_what_is_missing(tmp_path, capsys, precis
     assert train_main(flags) == 0
     accuracy = float(capsys.readouterr().out.split("test accuracy ")[-1].split("%")[0])
     assert accuracy > 80.0  # ten classes: chance is 10%
+
+
+@pytest.mark.parametrize("replicas, cores, threads", [(1, 2, 1), (2, 2, 1), (1, 16, 15), (4, 16, 3), (8, 4, 1)])
+def test_each_replica_gets_its_share_of_the_cores(replicas, cores, threads):
+    assert blas_threads(replicas, cores) == threads
+
+
+def test_training_limits_every_blas_to_the_replicas_share():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    before = [pool["num_threads"] for pool in threadpoolctl.threadpool_info()]
+    with shared_cores(replicas=64) as threads:
+        assert threads == 1
+        assert all(pool["num_threads"] == 1 for pool in threadpoolctl.threadpool_info())
+    assert [pool["num_threads"] for pool in threadpoolctl.threadpool_info()] == before

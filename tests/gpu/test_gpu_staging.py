@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from distrib.backends import get_backend
-from distrib.backends.cuda import staging
 
 pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
+from distrib.backends.cuda import staging  # noqa: E402  (imports CuPy: after the skip)
 
 
 @pytest.fixture(scope="module")
