@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from distrib.backends import get_backend
-from distrib.backends.cuda import nccl as nccl_comms
 from distrib.errors import CollectiveError, DeadlineExceededError
 
 pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
+from distrib.backends.cuda import nccl as nccl_comms  # noqa: E402  (imports CuPy: after the skip)
 
 
 @pytest.fixture(scope="module")
