@@ -7,6 +7,8 @@ import os
 import re
 from typing import Any
 
+from distrib.mpi_env import mpi_environment
+
 __all__ = ["ClusterResolver", "MPIClusterResolver", "RayClusterResolver", "SlurmClusterResolver",
            "TFConfigClusterResolver"]
 
@@ -134,7 +136,7 @@ class RayClusterResolver(ClusterResolver):
 
     def cluster_spec(self) -> dict[str, list[str]]:
         if self._spec is None:
-            from distrib.parameter_server.ray_runtime import ensure_cluster
+            from distrib.ray_runtime import ensure_cluster
 
             ray = ensure_cluster()
             nodes = [node["NodeManagerAddress"] for node in ray.nodes() if node.get("Alive")] or ["localhost"]
@@ -144,34 +146,6 @@ class RayClusterResolver(ClusterResolver):
             self._spec = {"chief": [nodes[0]], "worker": [nodes[i % len(nodes)] for i in range(num_workers)],
                           "ps": [nodes[i % len(nodes)] for i in range(num_ps)]}
         return {job: list(tasks) for job, tasks in self._spec.items()}
-
-
-# (rank, size, local rank, local size) as each launcher names them; Slurm's srun is read by SlurmClusterResolver.
-_MPI_ENVIRONMENTS = (
-    ("Open MPI", ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                  "OMPI_COMM_WORLD_LOCAL_SIZE")),
-    ("MPICH", ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
-    ("PMI", ("PMI_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")),
-    ("PMIx", ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE")),
-)
-
-
-def _env_int(name: str) -> int:
-    raw = os.environ[name]
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer. Received: {raw!r}.") from None
-
-
-def mpi_environment() -> tuple[str, int, int, int, int] | None:
-    """(launcher, rank, size, local rank, local size) from the MPI launcher's environment; None outside one."""
-    for launcher, (rank, size, local_rank, local_size) in _MPI_ENVIRONMENTS:
-        if rank in os.environ and size in os.environ:
-            has_local = local_rank in os.environ and local_size in os.environ
-            return (launcher, _env_int(rank), _env_int(size), _env_int(local_rank) if has_local else 0,
-                    _env_int(local_size) if has_local else 1)
-    return None
 
 
 class MPIClusterResolver(ClusterResolver):

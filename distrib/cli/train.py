@@ -32,7 +32,7 @@ from distrib.cli.model import MLP
 from distrib.cli.progress import History, plot_history, progress_display
 from distrib.datasets import DIGITS_CLASSES, load_digits
 from distrib.errors import BackendUnavailableError, CheckpointError
-from distrib.cluster_resolver import mpi_environment
+from distrib.mpi_env import mpi_environment
 from distrib.mirrored import MirroredStrategy
 from distrib.multi_worker import MultiWorkerMirroredStrategy
 from distrib.optimizers import SGD, Adam

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from distrib.parameter_server import ray_runtime
+from distrib import ray_runtime
 from distrib.parameter_server.server import ParameterServer
 from distrib.parameter_server.variable import ParameterServerVariable, resolve
 from distrib.parameter_server.worker import Worker

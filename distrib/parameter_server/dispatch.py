@@ -7,7 +7,7 @@ import threading
 from typing import Any, Callable
 
 from distrib.errors import WorkerError
-from distrib.parameter_server import ray_runtime
+from distrib import ray_runtime
 
 FORGET_EVERY = 64  # finished closures whose write tags the servers drop in one message
 MAX_ATTEMPTS = 4  # a closure whose worker dies this many times running it fails, instead of killing them all

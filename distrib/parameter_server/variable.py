@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from distrib.errors import ParameterServerError
-from distrib.parameter_server import ray_runtime
+from distrib import ray_runtime
 from distrib.parameter_server.write_tags import next_tag
 from distrib.variables import VariableAggregation, VariableSynchronization, _ArrayOperators
 

@@ -24,7 +24,7 @@ from distrib.backends.cuda import dtypes as cuda_dtypes
 from distrib.backends.cuda import nccl as nccl_comms
 from distrib.backends.cuda.backend import CudaBackend
 from distrib.backends.process_group import ProcessGroup
-from distrib.cluster_resolver import mpi_environment
+from distrib.mpi_env import mpi_environment
 from distrib.errors import CollectiveError
 
 
