@@ -260,7 +260,7 @@ class CpuBackend(Backend):
         its own values where there are enough threads)."""
         # One member is a view of it, nothing to copy; copies of small members (below ~64 KB on average)
         # hold the GIL between members for too long to overlap, so those are packed on the merge thread.
-        if buffer.nbytes < len(buffer.members) * (MIN_SHARE_BYTES // 4):
+        if len(buffer.members) == 1 or buffer.nbytes < len(buffer.members) * (MIN_SHARE_BYTES // 4):
             return [self.pack(arrays, buffer, device) for arrays, device in zip(members, devices)]
         flats = [self._pool.empty((buffer.size,), buffer.dtype) for _ in devices]
 
