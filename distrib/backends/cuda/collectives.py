@@ -7,7 +7,7 @@ methods use (`_ordinal`, `_stream`, `_on`, `_copy_between`, `copy`, `to_device`,
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import cupy
 import numpy as np
@@ -20,6 +20,16 @@ from distrib.options import default_timeout
 from distrib.plan import HIERARCHICAL, RING
 
 
+class NcclMove(NamedTuple):
+    """One flat buffer per device on its way through an NCCL all-reduce."""
+
+    dtype: str  # the buffer's own dtype, which the outputs are cast back to
+    reduction: cuda_dtypes.NcclReduction
+    sources: list[cupy.ndarray]
+    outputs: list[cupy.ndarray]
+    calls: list[tuple[int, int]]  # (byte offset, wire count) per NCCL call
+
+
 class NcclCollectives:
     """execute, all_reduce, all_gather, reduce_scatter, broadcast and add_n on CuPy arrays (see the module)."""
 
@@ -30,59 +40,60 @@ class NcclCollectives:
         ordinals = [self._ordinal(d) for d in devices]
         if plan.method in (RING, HIERARCHICAL) or len(set(ordinals)) < len(ordinals):
             return execute_pack_by_pack(self, plan, per_device, devices, timeout)
-        moves = []  # per buffer: (buffer, its NCCL reduction, sources and outputs per rank, (offset, count) calls)
+        moves = []  # per buffer: (buffer, its NcclMove)
         for buffer in plan.packing.buffers:
             indices = [member.index for member in buffer.members]
             flats = [self.pack([values[i] for i in indices], buffer, device)
                      for values, device in zip(per_device, devices)]
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
-            reduction = cuda_dtypes.nccl_reduction(flats[0].dtype.name, float_mean, self._nccl(), "all_reduce")
-            sources = self._cast(flats, ordinals, reduction.cast)
-            outputs = self._like(sources, ordinals, sources[0].size)
-            calls = cuda_dtypes.chunk_calls(buffer.chunks, sources[0].itemsize, reduction.factor)
-            moves.append((buffer, reduction, sources, outputs, calls))
-
-        def launch(rank, comm, stream):
-            for _, reduction, sources, outputs, calls in moves:
-                send, receive = sources[rank].data.ptr, outputs[rank].data.ptr
-                for offset, count in calls:
-                    comm.allReduce(send + offset, receive + offset, count, reduction.nccl_type, reduction.op, stream)
-
-        if any(calls for *_, calls in moves):
-            self._group("all_reduce", ordinals, launch, timeout)
+            moves.append((buffer, self._nccl_move(flats, buffer.chunks, ordinals, float_mean)))
+        self._launch_all_reduces([move for _, move in moves], ordinals, timeout)
         results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
-        for buffer, reduction, _, outputs, _ in moves:
-            if reduction.divide:  # a mean without ncclAvg (NCCL before 2.10.3)
-                self._divide(outputs, ordinals, len(devices))
-            reduced = self._cast(outputs, ordinals, buffer.dtype) if reduction.cast else outputs
-            unpack_into(results, self, plan, buffer, reduced, devices)
+        for buffer, move in moves:
+            unpack_into(results, self, plan, buffer, self._finish(move, ordinals), devices)
         return results
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         ordinals = self._flats_on("all_reduce", flats, devices)
         if len(set(ordinals)) < len(ordinals):
             return self._reduce_by_copies("all_reduce", flats, ordinals, mean)
-        plan = cuda_dtypes.nccl_reduction(flats[0].dtype.name, mean, self._nccl(), "all_reduce")
-        sources = self._cast(flats, ordinals, plan.cast)
+        move = self._nccl_move(flats, chunks, ordinals, mean)
+        self._launch_all_reduces([move], ordinals, timeout)
+        return self._finish(move, ordinals)
+
+    def _nccl_move(self, flats: Sequence[cupy.ndarray], chunks: Sequence[tuple[int, int]], ordinals: Sequence[int],
+                   mean: bool) -> NcclMove:
+        """How one flat buffer per device is all-reduced through NCCL: cast if its dtype needs it, into new outputs."""
+        reduction = cuda_dtypes.nccl_reduction(flats[0].dtype.name, mean, self._nccl(), "all_reduce")
+        sources = self._cast(flats, ordinals, reduction.cast)
         outputs = self._like(sources, ordinals, sources[0].size)
-        calls = cuda_dtypes.chunk_calls(chunks, sources[0].itemsize, plan.factor)
+        calls = cuda_dtypes.chunk_calls(chunks, sources[0].itemsize, reduction.factor)
+        return NcclMove(flats[0].dtype.name, reduction, sources, outputs, calls)
+
+    def _launch_all_reduces(self, moves: Sequence[NcclMove], ordinals: Sequence[int], timeout: float | None) -> None:
+        """Every call of every move in one NCCL group (nothing is launched when no move has a call)."""
 
         def launch(rank, comm, stream):
-            send, receive = sources[rank].data.ptr, outputs[rank].data.ptr
-            for offset, count in calls:
-                comm.allReduce(send + offset, receive + offset, count, plan.nccl_type, plan.op, stream)
+            for move in moves:
+                send, receive = move.sources[rank].data.ptr, move.outputs[rank].data.ptr
+                for offset, count in move.calls:
+                    comm.allReduce(send + offset, receive + offset, count, move.reduction.nccl_type,
+                                   move.reduction.op, stream)
 
-        if calls:
+        if any(move.calls for move in moves):
             self._group("all_reduce", ordinals, launch, timeout)
-        if plan.divide:
-            self._divide(outputs, ordinals, len(flats))
-        return self._cast(outputs, ordinals, flats[0].dtype.name) if plan.cast else outputs
+
+    def _finish(self, move: NcclMove, ordinals: Sequence[int]) -> list[cupy.ndarray]:
+        """A launched move's outputs, divided where NCCL could not average (before 2.10.3) and cast back."""
+        if move.reduction.divide:
+            self._divide_in_place(move.outputs, ordinals, len(ordinals))
+        return self._cast(move.outputs, ordinals, move.dtype) if move.reduction.cast else move.outputs
 
     def _gathered_count(self, local: int) -> int:
         """How many devices' arrays an all-gather collects: the `local` ones (across processes: every one)."""
         return local
 
-    def _divide(self, outputs: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int) -> None:
+    def _divide_in_place(self, outputs: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int) -> None:
         """Divides each device's output in place by `divisor`, as NumPy rounds (the reduce kernel)."""
         wire = cuda_dtypes.kernel_wire(outputs[0].dtype.name, "all_reduce")
         for out, ordinal in zip(outputs, ordinals):
