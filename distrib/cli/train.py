@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from distrib.backends import detect, get_backend
+from distrib.backends.parallel import usable_cores
 from distrib.checkpoint import Checkpoint
 from distrib.cli.model import MLP
 from distrib.cli.progress import History, plot_history, progress_display
@@ -286,8 +287,7 @@ def shared_cores(replicas: int):
         return
     from threadpoolctl import threadpool_limits
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = blas_threads(replicas, cores)
+    threads = blas_threads(replicas, usable_cores())
     with threadpool_limits(limits=threads):
         yield threads
 
