@@ -137,3 +137,51 @@ def test_top_level_help_lists_every_command_and_version(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out.startswith("distrib 0.")
+
+
+NCCL_TYPES = ["int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16"]
+
+
+def table_rows(out):
+    return [line.split() for line in out.splitlines() if line and not line.startswith("#")]
+
+
+def test_d_all_runs_every_nccl_tests_type_in_turn_in_one_table(capsys):
+    status, out = run_bench(["all_gather", "-g", "2", "-b", "1K", "-e", "4K", "-f", "4", "-n", "1", "-w", "0", "-d",
+                             "all"], capsys)
+    assert status == 0
+    rows = table_rows(out)
+    assert [(r[0], r[2], r[3]) for r in rows] == [(size, t, "none") for t in NCCL_TYPES for size in ("1024", "4096")]
+    itemsize = {"int8": 1, "uint8": 1, "half": 2, "bfloat16": 2, "int32": 4, "uint32": 4, "float": 4}
+    assert all(int(r[1]) == int(r[0]) // itemsize.get(r[2], 8) // 2 for r in rows)  # all_gather: count per rank
+    assert all(r[8] == "0" for r in rows)
+    assert out.count("#       size") == 1 and out.count("# Out of bounds values : 0 OK") == 1
+
+
+def test_o_all_runs_sum_then_avg_per_type_and_lists_what_distrib_cannot(tmp_path, capsys):
+    status, out = run_bench(["all_reduce", "-g", "3", "-b", "96", "-e", "96", "-n", "1", "-w", "0", "-d", "all",
+                             "-o", "all", "--json", str(tmp_path / "all.json"), "--plot", str(tmp_path / "all.png")],
+                            capsys)
+    assert status == 0
+    expected = [(t, op) for t in NCCL_TYPES for op in ("sum", "avg") if op == "sum" or t in ("half", "float", "double",
+                                                                                          "bfloat16")]
+    rows = table_rows(out)
+    assert [(r[2], r[3]) for r in rows] == expected
+    assert all(r[8] == "0" and r[12] == "0" for r in rows)  # distrib's and raw NumPy's #wrong
+    assert "# -o all: sum avg (distrib's SUM and MEAN; nccl-tests' prod max min mulsum have no distrib op)" in out
+    assert "# skipped int8/avg uint8/avg int32/avg uint32/avg int64/avg uint64/avg: -o avg needs a floating type" in out
+    document = report.validate(json.loads((tmp_path / "all.json").read_text()))
+    assert (document["type"], document["op"]) == ("all", "all")
+    assert [(r["type"], r["redop"]) for r in document["rows"]] == expected
+    assert (tmp_path / "all.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_o_all_on_one_type_and_what_cannot_run_at_all(capsys):
+    status, out = run_bench(["reduce_scatter", "-g", "2", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0", "-o", "all"],
+                            capsys)
+    assert status == 0 and [(r[2], r[3]) for r in table_rows(out)] == [("float", "sum")]
+    assert "# skipped float/avg: reduce_scatter sums only" in out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "reduce_scatter", "-d", "all", "-o", "avg"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("distrib bench: error: nothing to measure: reduce_scatter sums only")

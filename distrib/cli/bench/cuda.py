@@ -20,14 +20,18 @@ class NcclSeries:
     In place follows nccl-tests' buffer offsets: all_gather sends from its slice of the receive buffer,
     reduce_scatter receives into its slice of the send buffer.
 
+    Under mpirun the communicators span every GPU of every process: rank 0 makes the NCCL unique id, MPI
+    broadcasts it, and each process joins with its GPUs as neighbouring global ranks.
+
     Args:
-      ordinals: the CUDA devices, one rank each.
+      ordinals: this process's CUDA devices, one rank each.
       in_place: time the in-place variant.
       per_array: batch_reduce only: one ncclAllReduce per array (in one group) instead of one over the buffer.
+      job: the processes (distrib.cli.bench.job.Job) when the run spans several; None for one process.
     """
 
-    def __init__(self, ordinals: Sequence[int], in_place: bool = False, per_array: bool = False):
-        self.ordinals, self.in_place, self.per_array = list(ordinals), in_place, per_array
+    def __init__(self, ordinals: Sequence[int], in_place: bool = False, per_array: bool = False, job=None):
+        self.ordinals, self.in_place, self.per_array, self.job = list(ordinals), in_place, per_array, job
         self.name = "raw NCCL" + (" in-place" if in_place else "") + (" per array" if per_array else "")
         self._comms: list | None = None
         self._streams: list | None = None
@@ -39,8 +43,18 @@ class NcclSeries:
         import cupy
         from cupy.cuda import nccl
 
-        if self._comms is None:
+        if self._comms is None and (self.job is None or self.job.comm is None):
             self._comms = nccl.NcclCommunicator.initAll(self.ordinals)
+        elif self._comms is None:
+            job = self.job
+            unique_id = job.comm.bcast(nccl.get_unique_id() if job.chief else None, root=0)
+            self._comms = []
+            nccl.groupStart()  # several communicators in one thread are created inside one group
+            for k, ordinal in enumerate(self.ordinals):
+                with cupy.cuda.Device(ordinal):
+                    self._comms.append(nccl.NcclCommunicator(job.ranks, unique_id, job.first + k))
+            nccl.groupEnd()
+        if self._streams is None:
             self._streams = []
             for ordinal in self.ordinals:
                 with cupy.cuda.Device(ordinal):
@@ -52,9 +66,10 @@ class NcclSeries:
         name, n, layout = spec.collective.name, spec.ranks, spec.layout
         dtype = NCCL_TYPES[np.dtype(spec.dtype).name]
         op = NCCL_OPS["AVG" if spec.op == "avg" else "SUM"]
-        host = [spec.host_input(r) for r in range(n)]
+        host = [spec.host_input(r) for r in spec.local_ranks]
         sends, recvs, buffers = [], [], []
         for r, ordinal in enumerate(self.ordinals):
+            g = spec.first_local + r  # the global rank: in place, nccl-tests' offsets follow it
             with cupy.cuda.Device(ordinal):
                 if not self.in_place:
                     sends.append(cupy.asarray(host[r]))
@@ -62,13 +77,13 @@ class NcclSeries:
                     buffers.append(sends[-1])
                 elif name == "all_gather":
                     buffer = cupy.empty(layout.recv_count, spec.dtype)
-                    sends.append(buffer[r * layout.send_count:(r + 1) * layout.send_count])
+                    sends.append(buffer[g * layout.send_count:(g + 1) * layout.send_count])
                     recvs.append(buffer)
                     buffers.append(sends[-1])
                 elif name == "reduce_scatter":
                     buffer = cupy.asarray(host[r])
                     sends.append(buffer)
-                    recvs.append(buffer[r * layout.recv_count:(r + 1) * layout.recv_count])
+                    recvs.append(buffer[g * layout.recv_count:(g + 1) * layout.recv_count])
                     buffers.append(buffer)
                 else:
                     buffer = cupy.asarray(host[r])
@@ -112,7 +127,8 @@ class NcclSeries:
                 stream.synchronize()
 
         def outputs(_):
-            return [recv.get() if name != "reduce" or r == spec.root else None for r, recv in enumerate(recvs)]
+            return [recv.get() if name != "reduce" or r == spec.local_index(spec.root) else None
+                    for r, recv in enumerate(recvs)]
 
         return Prepared(step, sync, reset, outputs)
 

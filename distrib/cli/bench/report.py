@@ -67,7 +67,8 @@ def _finite(value: Any) -> Any:
 
 
 def plot(document: dict, path: str | Path) -> Path:
-    """Bus bandwidth against size, both on log scales, one line per series; the device and date in the title.
+    """Bus bandwidth against size, both on log scales, one line per series (with several types or ops, one per
+    type and op of distrib's first series); the device and date in the title.
 
     Raises:
       ModuleNotFoundError: matplotlib is missing (pip install 'distrib[bench]').
@@ -80,19 +81,29 @@ def plot(document: dict, path: str | Path) -> Path:
     from matplotlib import pyplot
 
     figure, axes = pyplot.subplots(figsize=(8, 5))
-    for name in document["series"]:
+    passes = list(dict.fromkeys((row["type"], row["redop"]) for row in document["rows"]))
+    # -d all / -o all: one line per type and op, of distrib's first series only (every series would be dozens)
+    lines = [(name, None) for name in document["series"]] if len(passes) == 1 else \
+        [(document["series"][0], this) for this in passes]
+    if len(lines) > 10:  # matplotlib's default cycle repeats after 10 colours
+        axes.set_prop_cycle(color=pyplot.get_cmap("tab20").colors)
+    for name, this in lines:
         points = [(row["size"], row["results"][name]["busbw_GBps"]) for row in document["rows"]
                   if row["results"].get(name) and row["size"] > 0 and row["results"][name]["busbw_GBps"]
-                  and math.isfinite(row["results"][name]["busbw_GBps"])]
+                  and math.isfinite(row["results"][name]["busbw_GBps"])
+                  and this in (None, (row["type"], row["redop"]))]
         if points:
-            axes.plot(*zip(*points), marker="o", markersize=3, label=name)
+            label = name if this is None else f"{name} {this[0]}" + (f" {this[1]}" if this[1] != "none" else "")
+            axes.plot(*zip(*points), marker="o", markersize=3, label=label)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("size (bytes)")
     axes.set_ylabel("bus bandwidth (GB/s)")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend()
-    axes.set_title(f"distrib bench {document['collective']} ({document['type']}, {document['ranks']} ranks)\n"
+    axes.legend(fontsize=8 if len(lines) > 6 else None, ncol=2 if len(lines) > 10 else 1)
+    processes = document.get("processes", 1)
+    ranks = f"{document['ranks']} ranks" + (f" in {processes} processes" if processes > 1 else "")
+    axes.set_title(f"distrib bench {document['collective']} ({document['type']}, {ranks})\n"
                    f"{document['device']}, {document['date'][:10]}", fontsize=10)
     figure.tight_layout()
     path = Path(path)

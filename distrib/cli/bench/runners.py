@@ -20,7 +20,11 @@ OPS = {"sum": "SUM", "avg": "MEAN"}
 
 @dataclass(frozen=True)
 class RowSpec:
-    """One row: the collective, its buffers, dtype, op ("sum" or "avg"), root, ranks, and batch array size."""
+    """One row: the collective, its buffers, dtype, op ("sum" or "avg"), root, ranks, and batch array size.
+
+    `ranks` counts every rank of the job; `first_local` and `local` name the ones this process drives (under
+    mpirun a contiguous slice; alone, all of them).
+    """
 
     collective: Collective
     layout: Layout
@@ -29,6 +33,17 @@ class RowSpec:
     root: int
     ranks: int
     array_elements: int = 0  # batch_reduce: elements per array
+    first_local: int = 0
+    local: int = 0  # 0: every rank is here
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this process drives, in order."""
+        return range(self.first_local, self.first_local + (self.local or self.ranks))
+
+    def local_index(self, rank: int) -> int | None:
+        """Where global rank `rank` sits among this process's ranks (None if another process drives it)."""
+        return rank - self.first_local if rank in self.local_ranks else None
 
     def host_input(self, rank: int) -> np.ndarray:
         """Rank `rank`'s send buffer: 1..7 in a pattern that differs per rank, so a swapped rank is caught."""
@@ -50,6 +65,11 @@ class RowSpec:
         if name == "reduce":
             return [total if r == self.root else None for r in range(n)]
         return [total] * n
+
+    def expected_here(self) -> list[np.ndarray | None]:
+        """`expected()` for this process's ranks only."""
+        expected = self.expected()
+        return [expected[r] for r in self.local_ranks]
 
 
 @dataclass
@@ -92,12 +112,14 @@ class DistribSeries:
       name: the column group's title.
       strategy: a MirroredStrategy over the benchmarked devices.
       options: CommunicationOptions for batch_reduce_to (bytes_per_pack).
+      one_call_per_array: batch_reduce only: one `reduce_to` per array instead of one `batch_reduce_to`.
     """
 
     in_place = False
 
-    def __init__(self, name: str, strategy: Any, options: Any = None):
+    def __init__(self, name: str, strategy: Any, options: Any = None, one_call_per_array: bool = False):
         self.name, self.strategy, self.options = name, strategy, options
+        self.one_call_per_array = one_call_per_array
 
     def __repr__(self) -> str:
         return f"<DistribSeries {self.name!r}>"
@@ -108,7 +130,8 @@ class DistribSeries:
         ext = self.strategy.extended
         backend, devices = ext.backend, list(ext.worker_devices)
         op = OPS[spec.op]
-        host = [spec.host_input(r) for r in range(spec.ranks)]
+        host = [spec.host_input(r) for r in spec.local_ranks]
+        root = spec.local_index(spec.root)  # None when another process drives the root
         arrays: list = []
 
         def reset():
@@ -124,11 +147,11 @@ class DistribSeries:
             step = lambda: ext.reduce_to(op, PerReplica(arrays), PerReplica(arrays))  # noqa: E731
             outputs = lambda result: hosts(result.values)  # noqa: E731
         elif name == "reduce":
-            step = lambda: ext.reduce_to(op, PerReplica(arrays), devices[spec.root])  # noqa: E731
-            outputs = lambda result: [backend.to_host(result.values[0]) if r == spec.root else None  # noqa: E731
-                                      for r in range(spec.ranks)]
-        elif name == "broadcast":
-            step = lambda: ext.broadcast_to(arrays[spec.root], PerReplica(arrays))  # noqa: E731
+            step = lambda: ext.reduce_to(op, PerReplica(arrays), devices[root or 0])  # noqa: E731
+            outputs = lambda result: [backend.to_host(result.values[0]) if i == root else None  # noqa: E731
+                                      for i in range(len(devices))]
+        elif name == "broadcast":  # across processes the root is on rank 0's process (see check_arguments)
+            step = lambda: ext.broadcast_to(arrays[root or 0], PerReplica(arrays))  # noqa: E731
             outputs = lambda result: hosts(result.values)  # noqa: E731
         elif name == "all_gather":
             options = ext._merged_options(None)
@@ -139,10 +162,13 @@ class DistribSeries:
             outputs = hosts
         else:  # batch_reduce
             cuts = list(range(0, spec.layout.send_count, spec.array_elements))
-            step = lambda: ext.batch_reduce_to(op, [(v, v) for v in _split(arrays, cuts, spec)],  # noqa: E731
-                                               self.options)
-            outputs = lambda result: [np.concatenate([backend.to_host(m.values[r]) for m in result])  # noqa: E731
-                                      for r in range(spec.ranks)]
+            if self.one_call_per_array:
+                step = lambda: [ext.reduce_to(op, v, v) for v in _split(arrays, cuts, spec)]  # noqa: E731
+            else:
+                step = lambda: ext.batch_reduce_to(op, [(v, v) for v in _split(arrays, cuts, spec)],  # noqa: E731
+                                                   self.options)
+            outputs = lambda result: [np.concatenate([backend.to_host(m.values[i]) for m in result])  # noqa: E731
+                                      for i in range(len(devices))]
         return Prepared(step, backend.synchronize, reset, outputs)
 
 

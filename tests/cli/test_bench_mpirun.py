@@ -1,0 +1,80 @@
+"""`distrib bench` under `mpirun -np 2`: 2 processes x 2 emulated devices are 4 ranks of every collective, rank 0
+alone prints nccl-tests' table listing every rank, busbw uses n = 4, raw mpi4py runs beside distrib on the same
+buffers, and #wrong is checked on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from distrib.cli.bench import report
+from distrib.cli.bench.table import COLLECTIVES, bandwidths
+
+JOB = pathlib.Path(__file__).parents[1] / "multi_worker" / "bench_job.py"
+MPIRUN = shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin "
+                                                       "libopenmpi-dev; .ci/run installs it)")
+NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "batch_reduce")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
+    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, str(JOB), str(folder)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    tables = dict(zip(NAMES, ("# distrib bench " + part for part in done.stdout.split("# distrib bench ")[1:])))
+    return tables, {name: json.loads((folder / f"{name}.json").read_text()) for name in NAMES}
+
+
+def test_rank_0_alone_prints_one_table_per_collective_listing_every_rank(job):
+    tables, _ = job
+    assert list(tables) == list(NAMES)
+    for text in tables.values():
+        assert "cpu-emulated, 2 processes x 2 emulated devices" in text and "EMULATED" in text
+        ranks = [line.split() for line in text.splitlines() if line.startswith("#  Rank")]
+        assert [int(r[2]) for r in ranks] == [0, 1, 2, 3]
+        assert len({r[4] for r in ranks[:2]} | {r[4] for r in ranks[2:]}) == 2  # two pids, two devices each
+        assert "# Out of bounds values : 0 OK" in text
+
+
+def test_columns_and_raw_mpi4py_beside_distrib(job):
+    tables, documents = job
+    lines = tables["all_reduce"].splitlines()
+    titles = next(line for line in lines if "raw mpi4py" in line)
+    assert titles.split() == ["#", "distrib", "raw", "mpi4py", "raw", "mpi4py", "in-place"]
+    names = next(line for line in lines if line.startswith("#       size"))
+    assert names.split()[1:6] == ["size", "count", "type", "redop", "root"]
+    assert names.split()[6:] == ["time", "algbw", "busbw", "#wrong"] * 3 + ["vs", "raw"]
+    rows = [line.split() for line in lines if line and not line.startswith("#")]
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [("1024", "256", "float", "sum", "-1"),
+                                                              ("4096", "1024", "float", "sum", "-1")]
+    assert documents["batch_reduce"]["series"] == ["distrib packed", "distrib per array",
+                                                   "distrib bytes_per_pack=65536", "raw mpi4py",
+                                                   "raw mpi4py per array"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_rank_checked_and_bus_bandwidth_over_4_ranks(job, name):
+    document = report.validate(job[1][name])
+    assert (document["ranks"], document["processes"], document["wrong"]) == (4, 2, 0)
+    collective = COLLECTIVES[name]
+    for row in document["rows"]:
+        layout = collective.layout(row["size"], 4, 4)
+        assert (layout.size, layout.count) == (row["size"], row["count"])
+        for series, result in row["results"].items():
+            assert result["wrong"] == 0, (series, row["size"])
+            algbw, busbw = bandwidths(collective, layout, result["time_us"] / 1e6, 4)
+            assert result["busbw_GBps"] == pytest.approx(busbw)
+            assert busbw == pytest.approx(algbw * {"all_reduce": 1.5, "batch_reduce": 1.5, "all_gather": 0.75,
+                                                   "reduce_scatter": 0.75}.get(name, 1.0))
+    if name == "reduce":
+        assert (document["rows"][0]["root"], document["rows"][0]["redop"]) == (3, "avg")  # rank 3: on process 1
