@@ -1,48 +1,186 @@
 #!/usr/bin/env bash
-# Every GPU test and GPU benchmark in one command, every output in one folder.
+# Every GPU test and GPU benchmark, in stages short enough for a 10-minute command, every output in one archive.
 #
-#   bench/gpu_check.sh [OUT_DIR]          # default bench/results/gpu-<date>-<gpu>/
+#   bench/gpu_check.sh [--stages LIST] [--out DIR] [--logs DIR] [--budget SECONDS]
+#   bench/gpu_check.sh --list                 # the stages, their time limits and what they run
+#
+# LIST is comma-separated stages, run in the order given (default: all of them, in the order of STAGES below).
+# Each step's log goes to LOGS/<step>.txt (--logs; default bench/results/gpu-<date>-<gpu>); after every step
+# the folder is archived to DIR/gpu-results.tgz and DIR/summary.txt says PASS, FAIL or SKIP per step with its
+# time and the benchmarks' target lines (DIR: --out, else $OUT where set, else LOGS). So a command killed at its
+# limit still leaves an archive of every finished step, and two files come back. Each step runs under `timeout`
+# (its stage's limit below, cut to what is left of --budget, default 560 s, so the command ends inside a 600 s
+# limit); a step with no time left is SKIP. Without a GPU, install and versions run and the GPU stages are SKIP,
+# saying why.
+# Exit status: the number of failed steps.
 #
 # On a machine without internet, first run bench/gpu_wheels.sh where PyPI is reachable and bring wheels/ along:
-# this script installs wheels/*.whl without an index, then the checkout in editable mode.
-# Steps, each logged to OUT_DIR/<step>.txt, with summary.txt saying PASS/FAIL per step and the exit status the
-# number of failed steps: the GPU and library versions; the GPU tests; the whole suite with the CUDA backend
-# active; nccl_bench (collectives, batches, kernels and strategy.run against raw NCCL and the peers, with
-# targets); input_bench --gpu (host-to-device input against raw pinned copies); `distrib train` on the GPUs.
+# the install stage installs wheels/*.whl without an index, then this checkout in editable mode.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
 
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr -cs 'A-Za-z0-9' '-' | sed 's/-$//')
-out="${1:-bench/results/gpu-$(date +%F)-${gpu:-no-gpu}}"
-mkdir -p "$out"
-summary="$out/summary.txt"
-: >"$summary"
-failed=0
+# name|time limit in seconds|needs a GPU|what it runs. Limits are ~3x the 2026-11-23 H100 timings (the whole
+# suite took 62 s, distrib train 4 s; nccl_bench and input_bench about a minute each).
+STAGES=(
+  "install|180|no|wheels/*.whl without an index, then this checkout (pip install --no-deps -e .)"
+  "versions|120|no|nvidia-smi, distrib info, the installed versions"
+  "gpu-tests|300|yes|pytest -m gpu tests (kernels, NCCL, conformance, compute-sanitizer)"
+  "full-suite|420|yes|the whole suite with the CUDA backend active"
+  "nccl-bench|360|yes|bench/nccl_bench.py: collectives, batches, kernels, strategy.run against raw NCCL and peers"
+  "input-bench|240|yes|bench/input_bench.py --gpu: host-to-device input against raw pinned copies"
+  "train|240|yes|distrib train on GPU:0, 1 replica then 4 replicas sharing it"
+  "profile|240|yes|bench/gpu_profile.py: cProfile of distrib train and of the 4-replica batched all_reduce"
+)
 
-step() {  # step NAME COMMAND...: runs COMMAND, logs it to OUT/NAME.txt, records PASS/FAIL and the time taken
-  local name="$1"
-  shift
-  local start=$SECONDS
-  echo "== $name: $*"
-  if "$@" >"$out/$name.txt" 2>&1; then
-    echo "PASS  $name  ($((SECONDS - start)) s)" | tee -a "$summary"
-  else
-    echo "FAIL  $name  ($((SECONDS - start)) s, exit $?): see $out/$name.txt" | tee -a "$summary"
-    tail -n 20 "$out/$name.txt"
-    failed=$((failed + 1))
-  fi
+usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; }
+
+stage_field() {  # stage_field NAME FIELD(1-4): a field of NAME's row in STAGES
+  local row
+  for row in "${STAGES[@]}"; do
+    if [[ "${row%%|*}" == "$1" ]]; then
+      cut -d'|' -f"$2" <<<"$row"
+      return 0
+    fi
+  done
+  return 1
 }
 
-if compgen -G "wheels/*.whl" >/dev/null; then
-  step install bash -c 'python3 -m pip install -q --no-deps --no-index wheels/*.whl &&
-                        python3 -m pip install -q --no-deps --no-build-isolation -e .'
+all_stages=$(for row in "${STAGES[@]}"; do printf '%s,' "${row%%|*}"; done)
+stages=${all_stages%,}
+dest=${OUT:-}
+logs=""
+budget=560
+while (($#)); do
+  case "$1" in
+    --stages) stages=${2:?--stages needs a comma-separated list}; shift 2 ;;
+    --stages=*) stages=${1#*=}; shift ;;
+    --out) dest=${2:?--out needs a folder}; shift 2 ;;
+    --out=*) dest=${1#*=}; shift ;;
+    --logs) logs=${2:?--logs needs a folder}; shift 2 ;;
+    --logs=*) logs=${1#*=}; shift ;;
+    --budget) budget=${2:?--budget needs seconds}; shift 2 ;;
+    --budget=*) budget=${1#*=}; shift ;;
+    --list)
+      for row in "${STAGES[@]}"; do IFS='|' read -r name limit gpu what <<<"$row"
+        printf '%-12s %4s s  GPU: %-3s  %s\n' "$name" "$limit" "$gpu" "$what"; done
+      exit 0 ;;
+    -h | --help) usage; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
+  esac
+done
+IFS=',' read -r -a selected <<<"$stages"
+for name in "${selected[@]}"; do
+  if ! stage_field "$name" 1 >/dev/null; then
+    echo "gpu_check.sh: unknown stage '$name'; the stages are ${all_stages%,}" >&2
+    exit 2
+  fi
+done
+if ! [[ "$budget" =~ ^[0-9]+$ ]]; then
+  echo "gpu_check.sh: --budget must be whole seconds. Received: $budget" >&2
+  exit 2
 fi
-step versions bash -c 'nvidia-smi && python3 -m distrib info'
-step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider --junitxml="$out/gpu-tests.xml" tests
-step full-suite python3 -m pytest -q -p no:cacheprovider tests
-step nccl-bench python3 bench/nccl_bench.py --json "$out/nccl_bench.json"
-step input-bench python3 bench/input_bench.py --gpu --json "$out/input_bench.json"
-step train python3 -m distrib train --epochs 20 --out "$out/train-run"
-echo "results in $out; $failed step(s) failed"
+
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr -cs 'A-Za-z0-9' '-' | sed 's/-$//')
+gpu=${gpu:-no-gpu}
+logs=${logs:-bench/results/gpu-$(date +%F)-$gpu}
+dest=${dest:-$logs}
+mkdir -p "$logs" "$dest"
+summary="$logs/summary.txt"
+: >"$summary"
+failed=0
+deadline=$((SECONDS + budget))
+no_gpu=""  # why the GPU stages cannot run, once known
+
+archive() {  # the log folder as DIR/gpu-results.tgz, and the summary beside it
+  tar -czf "$dest/gpu-results.tgz.partial" --exclude='gpu-results.tgz*' -C "$(dirname "$logs")" \
+    "$(basename "$logs")" && mv "$dest/gpu-results.tgz.partial" "$dest/gpu-results.tgz"
+  [[ "$dest/summary.txt" -ef "$summary" ]] || cp "$summary" "$dest/summary.txt"
+}
+
+record() {  # record LINE: to the summary and the console
+  echo "$1" | tee -a "$summary"
+}
+
+step() {  # step NAME LIMIT COMMAND...: runs COMMAND under timeout, logs it to LOGS/NAME.txt, records the outcome
+  local name="$1" limit="$2" start=$SECONDS status left
+  shift 2
+  left=$((deadline - SECONDS - 15))  # 15 s for the archive and the command's own exit
+  ((left < limit)) && limit=$left
+  if ((limit < 10)); then
+    record "SKIP  $name  (no time left in the --budget of $budget s)"
+    return
+  fi
+  echo "== $name (limit $limit s): $*"
+  { echo "\$ $*"; echo; } >"$logs/$name.txt"
+  timeout --kill-after=10 "$limit" "$@" >>"$logs/$name.txt" 2>&1
+  status=$?
+  if ((status == 0)); then
+    record "PASS  $name  ($((SECONDS - start)) s)"
+  elif ((status == 124 || status == 137)); then
+    record "FAIL  $name  (timed out after $limit s): see $name.txt"
+    failed=$((failed + 1))
+  else
+    record "FAIL  $name  ($((SECONDS - start)) s, exit $status): see $name.txt"
+    failed=$((failed + 1))
+  fi
+  # the benchmarks' own verdicts and figures, so the summary alone says which targets hold
+  grep -E '^(# )?(PASS|FAIL|N/A) |samples/s$|^test accuracy|[0-9]+ (passed|failed)' "$logs/$name.txt" \
+    | sed 's/^/      /' | tee -a "$summary"
+  ((status == 0)) || tail -n 15 "$logs/$name.txt"
+  archive
+}
+
+gpu_problem() {  # sets no_gpu to why the CUDA backend cannot run here (empty when it can)
+  no_gpu=$("$python" -c 'from distrib.backends import cuda_problem; print(cuda_problem() or "")' 2>&1) \
+    || no_gpu="distrib does not import: ${no_gpu##*$'\n'}"
+}
+
+pytest_args=(-q -p no:cacheprovider -rfE --durations=15)
+run_stage() {  # run_stage NAME: the stage's steps
+  local name="$1" limit
+  limit=$(stage_field "$name" 2)
+  if [[ $(stage_field "$name" 3) == yes ]]; then
+    [[ -n "$no_gpu" ]] || gpu_problem
+    if [[ -n "$no_gpu" ]]; then
+      record "SKIP  $name  (needs the CUDA backend: $no_gpu)"
+      archive
+      return
+    fi
+  fi
+  case "$name" in
+    install)
+      if compgen -G "wheels/*.whl" >/dev/null; then
+        step install "$limit" bash -c "$python -m pip install -q --no-deps --no-index wheels/*.whl &&
+                                       $python -m pip install -q --no-deps --no-build-isolation -e ."
+      else
+        step install "$limit" "$python" -m pip install -q --no-deps --no-build-isolation -e .
+      fi
+      no_gpu="" ;;
+    versions)
+      step versions "$limit" bash -c "nvidia-smi || echo 'nvidia-smi: not found or failed'; $python -m distrib info;
+        $python -c 'import sys, numpy; print(\"python\", sys.version); print(\"numpy\", numpy.__version__)';
+        $python -m pip list 2>/dev/null | grep -iE '^(cupy|nvidia-nccl|torch |optree|ml.dtypes|pytest|mpi4py)'" ;;
+    gpu-tests)
+      step gpu-tests "$limit" "$python" -m pytest "${pytest_args[@]}" -m gpu --junitxml="$logs/gpu-tests.xml" tests ;;
+    full-suite)
+      step full-suite "$limit" "$python" -m pytest "${pytest_args[@]}" --junitxml="$logs/full-suite.xml" tests ;;
+    nccl-bench)
+      step nccl-bench "$limit" "$python" bench/nccl_bench.py --json "$logs/nccl-$(date +%F)-$gpu.json" ;;
+    input-bench)
+      step input-bench "$limit" "$python" bench/input_bench.py --gpu --json "$logs/input-$(date +%F)-$gpu.json" ;;
+    train)
+      step train-1-replica $((limit / 2)) "$python" -m distrib train --replicas 1 --overwrite --out "$logs/train-1"
+      step train-4-replicas $((limit / 2)) "$python" -m distrib train --replicas 4 --overwrite --out "$logs/train-4" ;;
+    profile)
+      step profile "$limit" "$python" bench/gpu_profile.py --out "$logs/profile" ;;
+  esac
+}
+
+for name in "${selected[@]}"; do
+  run_stage "$name"
+done
+archive
+echo "logs in $logs; archive $dest/gpu-results.tgz; $failed step(s) failed"
 exit "$failed"

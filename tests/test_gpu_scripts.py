@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -21,9 +24,42 @@ def test_the_gpu_shell_scripts_parse(script):
 
 def test_gpu_check_runs_every_gpu_benchmark_that_exists():
     text = (ROOT / "bench/gpu_check.sh").read_text()
-    for script in ("bench/nccl_bench.py", "bench/input_bench.py"):
+    for script in ("bench/nccl_bench.py", "bench/input_bench.py", "bench/gpu_profile.py"):
         assert script in text and (ROOT / script).is_file()
     assert "-m gpu" in text and "distrib train" in text
+
+
+def gpu_check(*args):
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("OUT", None)
+    command = ["bash", str(ROOT / "bench/gpu_check.sh"), *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_gpu_check_stages_are_the_ones_bench_readme_documents():
+    listed = [line.split()[0] for line in gpu_check("--list").stdout.splitlines()]
+    readme = (ROOT / "bench/README.md").read_text().split("## gpu_check.sh")[1].split("\n## ")[0]
+    documented = re.findall(r"^\| `([a-z-]+)` \|", readme, re.MULTILINE)
+    assert listed == documented and "train" in listed
+
+
+def test_gpu_check_refuses_an_unknown_stage_naming_the_stages():
+    result = gpu_check("--stages", "versions,bench")
+    assert result.returncode == 2
+    assert result.stderr.startswith("gpu_check.sh: unknown stage 'bench'; the stages are install,versions,")
+
+
+@pytest.mark.skipif(cuda_problem() is None, reason="this machine has a GPU: the stages would run for real")
+def test_gpu_check_without_a_gpu_runs_versions_and_skips_the_gpu_stages_into_one_archive(tmp_path):
+    out = tmp_path / "out"
+    result = gpu_check("--stages", "versions,train", "--out", str(out), "--logs", str(tmp_path / "logs"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-results.tgz", "summary.txt"]
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("PASS  versions")
+    assert summary[1].startswith("SKIP  train  (needs the CUDA backend: ")
+    with tarfile.open(out / "gpu-results.tgz") as archive:
+        assert {"logs/versions.txt", "logs/summary.txt"} <= set(archive.getnames())
 
 
 @pytest.mark.skipif(cuda_problem() is None, reason="this machine has a GPU: the benchmarks run instead")

@@ -1,0 +1,116 @@
+"""Where the host time goes on the CUDA path: cProfile of `distrib train` and of a batched all_reduce step (needs a GPU).
+
+    python3 bench/gpu_profile.py [--out DIR] [--epochs 5] [--steps 200]
+
+Two workloads, each first timed without the profiler, then profiled after a warm-up (kernels compiled):
+`distrib train` on GPU:0 (1 replica), and `strategy.run` of one `all_reduce` of 200 x 1,000 float32 on 4 replicas
+sharing GPU:0, synchronised per step. Writes `<workload>.prof` (pstats) and `<workload>.txt` (the 40 functions
+with the most own time, then the 40 with the most cumulative time) to DIR. Host synchronisations show up as calls
+of `get`, `synchronize` and `wait` in the tables. Without a GPU it says what is missing and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BATCH = (4, 200, 1_000)  # replicas sharing GPU:0, arrays per all_reduce, float32 elements per array
+
+
+def report(profile: cProfile.Profile, out: Path, name: str, headline: str) -> None:
+    """Writes the profile and its two tables, and prints them."""
+    profile.dump_stats(out / f"{name}.prof")
+    text = io.StringIO()
+    print(headline, file=text)
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profile, stream=text).strip_dirs().sort_stats(order).print_stats(40)
+    (out / f"{name}.txt").write_text(text.getvalue())
+    print(text.getvalue())
+
+
+def profile_train(out: Path, epochs: int) -> None:
+    from distrib.cli.train import build_parser, make_strategy, train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        def run(run_epochs: int, profile: cProfile.Profile | None = None):
+            args = build_parser().parse_args(["--replicas", "1", "--epochs", str(run_epochs), "--overwrite",
+                                              "--out", str(Path(tmp) / "run"), "--learning-rate", "0.003"])
+            strategy = make_strategy(args)
+            (Path(tmp) / "run").mkdir(exist_ok=True)
+            with contextlib.redirect_stdout(io.StringIO()):
+                if profile is None:
+                    result = train(args, strategy)
+                else:
+                    with profile:
+                        result = train(args, strategy)
+            strategy.close()
+            return result
+
+        run(1)  # warm-up: compiles the kernels
+        plain = run(epochs)
+        profile = cProfile.Profile()
+        profiled = run(epochs, profile)
+    report(profile, out, "train", f"distrib train, 1 replica on GPU:0, {epochs} epochs: {plain.samples_per_second:,.0f} "
+                                  f"samples/s without the profiler, {profiled.samples_per_second:,.0f} with it")
+
+
+def profile_batched_all_reduce(out: Path, steps: int) -> None:
+    import cupy
+    import numpy as np
+
+    import distrib
+
+    replicas, count, elements = BATCH
+    strategy = distrib.MirroredStrategy(["GPU:0"] * replicas)
+    backend = strategy.extended.backend
+    batch = strategy.experimental_distribute_values_from_function(
+        lambda ctx: [cupy.full(elements, ctx.replica_id_in_sync_group + 1, np.float32) for _ in range(count)])
+
+    def step(xs):
+        return distrib.get_replica_context().all_reduce("SUM", xs)
+
+    def loop(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            strategy.run(step, args=(batch,))
+            backend.synchronize()
+        return (time.perf_counter() - start) / n * 1e6
+
+    loop(10)
+    plain = loop(steps)
+    profile = cProfile.Profile()
+    with profile:
+        profiled = loop(steps)
+    strategy.close()
+    report(profile, out, "batched_all_reduce",
+           f"strategy.run + all_reduce of {count} x {elements} float32, {replicas} replicas sharing GPU:0, "
+           f"synchronised per step: {plain:,.0f} us per step without the profiler, {profiled:,.0f} with it")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results/gpu-profile"))
+    parser.add_argument("--epochs", type=int, default=5, help="epochs of distrib train profiled (default 5)")
+    parser.add_argument("--steps", type=int, default=200, help="batched all_reduce steps profiled (default 200)")
+    args = parser.parse_args(argv)
+    from distrib.backends import cuda_problem
+
+    problem = cuda_problem()
+    if problem:
+        print(f"gpu_profile needs an NVIDIA GPU with CuPy and NCCL, but {problem}.", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    profile_train(args.out, args.epochs)
+    profile_batched_all_reduce(args.out, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
