@@ -78,6 +78,7 @@ class Optimizer:
         self.name = name
         self._strategy = context.get_strategy() if context.has_strategy() else None
         self._iterations: Variable | DistributedVariable | None = None
+        self._counted: tuple[tuple[int, ...], int] | None = None  # (iterations' write serials, its value) after a step
         self._slots: dict[Any, dict[str, Any]] = {}  # variable -> {slot name: slot variable}
         self._slot_list: list[Any] = []  # in creation order
 
@@ -169,7 +170,7 @@ class Optimizer:
         extended = strategy.extended
         destinations = [v if isinstance(v, DistributedVariable) else v.device for v in variables]
         reduced = extended.batch_reduce_to(ReduceOp.MEAN, list(zip(grads, destinations)))
-        step = int(self.iterations.numpy()) + 1
+        step = self._iterations_count() + 1
         groups: dict[tuple[str, np.dtype], list] = {}  # (device, compute dtype) -> [(copy, gradient, slot copies)]
         for var, grad in zip(variables, reduced):
             slots = [PerReplica(s.values) if isinstance(s, DistributedVariable) else s
@@ -183,7 +184,20 @@ class Optimizer:
                     if not backend.fused_optimizer_update(self._rule, items, coefficients):
                         self._update_device(backend.xp, items, coefficients)
             self.iterations.assign_add(1)
+            self._counted = (self._iterations_serials(), step)
         return self.iterations
+
+    def _iterations_serials(self) -> tuple[int, ...]:
+        iterations = self._iterations
+        components = iterations.values if isinstance(iterations, DistributedVariable) else (iterations,)
+        return tuple(component._write_serial for component in components)
+
+    def _iterations_count(self) -> int:
+        """`iterations` as a Python int, read from the device only if something other than `apply` wrote it since
+        the last step: reading it back would wait for every queued step, so GPU steps could never overlap."""
+        if self._counted is not None and self._counted[0] == self._iterations_serials():
+            return self._counted[1]
+        return int(self.iterations.numpy())
 
     def _collect(self, component: Variable, groups: dict, grad: Any, *slots: Variable) -> None:
         """`extended.update`'s fn: files one copy of one variable, with its gradient on its device, by group."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import sys
 import threading
 import weakref
@@ -46,6 +47,7 @@ def _idle_refcount() -> int:
 
 
 _IDLE_REFCOUNT = _idle_refcount()
+_WRITE_SERIALS = itertools.count(1)  # every write of any variable takes the next: a value never seen before
 _update_replica = threading.local()  # the component index inside StrategyExtended.update
 
 
@@ -124,6 +126,7 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
         if value.dtype.kind in "OSUV":
             raise TypeError(f"A variable holds a numeric array. Received: dtype {value.dtype}.")
         self._buffer = self._own(value)
+        self._write_serial = 0  # changes at every write (see _writable): lets a reader keep a host copy of the value
         self.trainable = True if trainable is None else bool(trainable)
         self._name = name or "Variable"
         self._distributed_container: weakref.ref | None = None
@@ -179,6 +182,7 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
         """The buffer to write in place, or a fresh copy of it when a read view is still alive (copy on write)."""
         if sys.getrefcount(self._buffer) > _IDLE_REFCOUNT:
             self._buffer = self._own(self._buffer)
+        self._write_serial = next(_WRITE_SERIALS)
         return self._buffer
 
     def _operand(self, value: Any, what: str) -> Any:

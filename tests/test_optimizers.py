@@ -476,3 +476,49 @@ def test_a_fresh_optimizer_resumes_from_a_checkpoint_before_its_first_step(tmp_p
         two.run(lambda g: resumed.apply_gradients([(g, resumed_var)]), args=(grads,))
     assert int(resumed.iterations.numpy()) == 5
     np.testing.assert_allclose(resumed_var.numpy(), uninterrupted, rtol=1e-6)
+
+
+def test_restoring_into_the_same_optimizer_rewinds_the_step_its_bias_correction_uses(tmp_path):
+    """Adam keeps the step count on the host between its own steps; a restore (a write it did not make) rewinds it."""
+    two = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    with two.scope():
+        var = distrib.Variable(np.ones(3, np.float32), name="w")
+    adam = distrib.optimizers.Adam(0.1)
+    grads = two.experimental_distribute_values_from_function(
+        lambda ctx: np.full(3, ctx.replica_id_in_sync_group + 1.0, np.float32))
+
+    def train(steps):
+        for _ in range(steps):
+            two.run(lambda g: adam.apply_gradients([(g, var)]), args=(grads,))
+        return var.numpy()
+
+    train(3)
+    checkpoint = distrib.Checkpoint(w=var, opt=adam)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    first = train(2)
+    checkpoint.restore(path)
+    assert int(adam.iterations.numpy()) == 3
+    np.testing.assert_array_equal(train(2), first)
+
+
+def test_an_assigned_iterations_count_is_the_one_the_next_step_uses():
+    one = distrib.MirroredStrategy(["CPU:0"])
+    grads = one.experimental_distribute_values_from_function(lambda ctx: np.full(3, 0.5, np.float32))
+
+    def adam_step_from_ones(adam, var):
+        with one.scope():
+            var.assign(np.ones(3, np.float32))
+            for slot in ("m", "v"):
+                adam.get_slot(var, slot).assign(np.zeros(3, np.float32))
+        adam.iterations.assign(np.int64(100))
+        one.run(lambda g: adam.apply_gradients([(g, var)]), args=(grads,))
+        return var.numpy()
+
+    with one.scope():
+        used, fresh = distrib.Variable(np.ones(3, np.float32)), distrib.Variable(np.ones(3, np.float32))
+        stepped, unstepped = distrib.optimizers.Adam(0.1), distrib.optimizers.Adam(0.1)
+        unstepped.build([fresh])
+    one.run(lambda g: stepped.apply_gradients([(g, used)]), args=(grads,))  # counts step 1 on the host
+    expected = reference_adam(np.ones(3), [np.zeros(3)] * 100 + [np.full(3, 0.5)], 0.1)
+    np.testing.assert_allclose(adam_step_from_ones(stepped, used), expected, rtol=1e-6)
+    np.testing.assert_array_equal(adam_step_from_ones(stepped, used), adam_step_from_ones(unstepped, fresh))

@@ -70,7 +70,8 @@ class PlainProgress:
         self._label = f"epoch {epoch + 1}/{epochs}"
         self._loss, self._rate = float("nan"), 0.0  # an epoch of no steps still ends with a line
 
-    def step(self, loss: float, samples_per_second: float) -> None:
+    def step(self, loss: float, samples_per_second: float, steps: int = 1) -> None:
+        """`steps` more steps done, the last with `loss`."""
         self._loss, self._rate = loss, samples_per_second
 
     def end_epoch(self, test_accuracy: float) -> None:
@@ -99,8 +100,8 @@ class RichProgress(PlainProgress):
         label = f"epoch {epoch + 1:>{len(str(epochs))}}/{epochs}"  # padded, so that the still lines align
         self._task = self._bars.add_task(label, total=steps, loss=float("nan"), rate=0.0, accuracy="")
 
-    def step(self, loss: float, samples_per_second: float) -> None:
-        self._bars.update(self._task, advance=1, loss=loss, rate=samples_per_second)
+    def step(self, loss: float, samples_per_second: float, steps: int = 1) -> None:
+        self._bars.update(self._task, advance=steps, loss=loss, rate=samples_per_second)
 
     def end_epoch(self, test_accuracy: float) -> None:
         """Prints the finished bar above the live one and drops it: only one bar is redrawn, however many epochs."""

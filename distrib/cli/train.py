@@ -42,6 +42,7 @@ from distrib.variables import Variable
 
 DEFAULT_LEARNING_RATES = {"adam": 0.003, "sgd": 0.05}
 RUN_FILES = ("ckpt", "history.json", "loss.png")  # what a run leaves in --out
+REFRESH_SECONDS = 0.2  # the step losses kept on the device are read and shown this often, and at each epoch's end
 
 def compute_dtype(precision: str, xp):
     """The array dtype for `--precision` on this array module; ValueError where it has none."""
@@ -99,6 +100,7 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
     """Trains (or resumes) the digits MLP on `strategy` as `args` say; writes a checkpoint every epoch."""
     start = time.perf_counter()
     xp = strategy.extended.backend.xp
+    first_device = strategy.extended.worker_devices[0]
     dtype = compute_dtype(args.precision, xp)
     x_train, y_train, x_test, y_test = load_digits()
     with strategy.scope():
@@ -124,9 +126,19 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
 
     def evaluate() -> float:
         batches = strategy.experimental_distribute_dataset(test_batches(x_test, y_test, args.global_batch_size))
-        correct = sum(int(strategy.reduce("SUM", strategy.run(count_correct, args=batch), axis=None))
-                      for batch in batches)
-        return correct / len(x_test)
+        counts = [on_device("SUM", strategy.run(count_correct, args=batch)) for batch in batches]
+        return sum(int(n) for n in read_all(counts)) / len(x_test)
+
+    def on_device(op: str, per_replica):
+        """`per_replica` reduced across replicas onto the first local device: reading it would wait for the step."""
+        return strategy.experimental_local_results(strategy.extended.reduce_to(op, per_replica, first_device))[0]
+
+    def read_all(values: list) -> list:
+        """Device scalars as Python numbers, in one copy to the host."""
+        if not values:
+            return []
+        with strategy.extended.backend.device_scope(first_device):
+            return strategy.extended.backend.to_host(xp.stack(values)).tolist()
 
     steps_per_epoch = len(x_train) // args.global_batch_size
     trained_samples, training_seconds = 0, 0.0
@@ -136,11 +148,22 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
             progress.start_epoch(epoch_index, args.epochs, steps_per_epoch)
             batches = epoch_batches(x_train, y_train, args.global_batch_size, args.seed, epoch_index)
             epoch_start, epoch_samples = time.perf_counter(), 0
+            pending, shown = [], epoch_start  # losses still on the device; when the progress was last refreshed
+
+            def show_pending() -> None:  # one read for many steps, so the device runs ahead of the host meanwhile
+                losses = read_all(pending)
+                history.step_loss.extend(losses)
+                pending.clear()
+                if losses:
+                    progress.step(losses[-1], epoch_samples / (time.perf_counter() - epoch_start), len(losses))
+
             for batch in strategy.experimental_distribute_dataset(batches):
-                loss = float(strategy.reduce("MEAN", strategy.run(train_step, args=batch), axis=None))
-                history.step_loss.append(loss)
+                pending.append(on_device("MEAN", strategy.run(train_step, args=batch)))
                 epoch_samples += args.global_batch_size
-                progress.step(loss, epoch_samples / (time.perf_counter() - epoch_start))
+                if time.perf_counter() - shown >= REFRESH_SECONDS:
+                    show_pending()
+                    shown = time.perf_counter()
+            show_pending()
             training_seconds += time.perf_counter() - epoch_start
             trained_samples += epoch_samples
             history.end_epoch(evaluate())

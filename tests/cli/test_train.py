@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from distrib import cli
-from distrib.backends import detect
+from distrib.backends import detect, get_backend
 from distrib.datasets import load_digits
 from distrib.backends import cuda_problem
 from distrib.cli.progress import PlainProgress
+from distrib.cli import train as train_module
 from distrib.cli.train import blas_threads, main as train_main, replica_devices, shared_cores
 
 
@@ -62,6 +63,20 @@ def test_one_and_four_replicas_train_the_same_model(tmp_path, capsys):
         train_main(["--replicas", replicas, "--epochs", "2", "--out", str(tmp_path / replicas)])
     one, four = (json.loads((tmp_path / r / "history.json").read_text()) for r in ("1", "4"))
     np.testing.assert_allclose(four["step_loss"], one["step_loss"], rtol=1e-4)
+
+
+def test_steps_run_ahead_of_the_host_which_reads_their_losses_once_per_refresh(tmp_path, monkeypatch, capsys):
+    """On a GPU every read of a device value waits for the queued steps: a run reads a few times per epoch."""
+    backend = get_backend()
+    reads = []
+    copy_to_host = backend.to_host
+    monkeypatch.setattr(backend, "to_host", lambda array: reads.append(np.size(array)) or copy_to_host(array))
+    monkeypatch.setattr(train_module, "REFRESH_SECONDS", 3600.0)
+    assert train_main(["--replicas", "2", "--epochs", "2", "--global-batch-size", "16", "--out", str(tmp_path)]) == 0
+    steps = 2 * (1442 // 16)
+    history = json.loads((tmp_path / "history.json").read_text())
+    assert len(history["step_loss"]) == steps and steps // 2 in reads  # each epoch's losses in one copy
+    assert len(reads) < steps // 2, reads  # the checkpoints' reads, not one or two per step
 
 
 def refusal(capsys, flags: list[str]) -> str:
