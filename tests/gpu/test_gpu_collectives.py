@@ -153,3 +153,25 @@ def test_a_whole_plan_in_one_group_equals_pack_by_pack_and_the_emulator(backend,
         assert got.shape == cpu.shape and got.dtype == np.asarray(cpu).dtype
         np.testing.assert_array_equal(got.get(), want.get())
         assert_same([got.get()], [np.asarray(cpu)], exact=True)
+
+
+def test_later_steps_never_overwrite_a_kept_result_and_small_members_are_copies(backend):
+    """Output buffers are reused from step to step (backends/cuda/results.py) only once nothing holds them."""
+    from distrib.plan import NATIVE, all_reduce_plan
+
+    sizes = (20_000, 3)  # a pack of 80 KB: the 12-byte member is handed out as a copy
+    plan = all_reduce_plan(plan_concat_split([((n,), np.float32) for n in sizes], 1), NATIVE, False, 4)
+
+    def step(k):  # replica r holds k + r everywhere: every sum is 4k + 6
+        per_device = [[backend.to_device(np.full(n, k + r, np.float32), "GPU:0") for n in sizes] for r in range(4)]
+        return backend.execute(plan, per_device, ["GPU:0"] * 4)
+
+    first = step(0)
+    kept_large, kept_small = first[1][0], first[2][1]
+    assert kept_small.base is None and kept_large.base is not None  # a copy, and a view of the output
+    del first
+    for k in range(1, 4):
+        later = step(k)
+        assert all((out.get() == 4 * k + 6).all() for outs in later for out in outs)
+        del later
+    assert (kept_large.get() == 6).all() and (kept_small.get() == 6).all()

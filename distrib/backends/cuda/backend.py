@@ -17,6 +17,7 @@ from distrib.backends.cuda import errors as cuda_errors
 from distrib.backends.cuda import nccl as nccl_comms
 from distrib.backends.cuda.arrays import as_cupy, on_gpu, upload
 from distrib.backends.cuda.collectives import NcclCollectives
+from distrib.backends.cuda.results import Outputs
 from distrib.backends.cpu import to_numpy
 from distrib.backends.cuda.staging import Stager
 from distrib.backends.cuda.kernels import UPDATE_DTYPES, UPDATE_SLOTS, Kernels, update_groups
@@ -49,9 +50,11 @@ class CudaBackend(NcclCollectives, Backend):
     $DISTRIB_COLLECTIVE_TIMEOUT, else 600) or on an NCCL error, aborts the communicators. The error
     (DeadlineExceededError, CollectiveError) is raised at the next synchronisation point: the next collective,
     `synchronize()` or a copy to the host. Replicas that share a GPU (NCCL refuses two ranks on one device) are
-    reduced by copies and the reduce kernel instead. Results are new arrays, one per device; unpacked members are
-    views of their flat result, as on the CPU emulator. CuPy's, CUDA's, NVRTC's and NCCL's exceptions leave every
-    method as distrib's (backends/cuda_errors.py).
+    reduced by copies and the reduce kernel instead. Results are arrays of their own, one per device; unpacked
+    members are views of their flat result, as on the CPU emulator (members of at most 1 KB of a pack of 64 KB or
+    more are copies), and a plan executed again reuses the flats and views of its last run that nothing holds any
+    more (backends/cuda/results.py). CuPy's, CUDA's, NVRTC's and NCCL's exceptions leave every method as distrib's
+    (backends/cuda/errors.py).
 
     Example:
       >>> import distrib, cupy
@@ -73,6 +76,7 @@ class CudaBackend(NcclCollectives, Backend):
         self._nccl_version: int | None = None
         self._side_streams: dict[int, cupy.cuda.Stream] = {}  # host-to-device input copies
         self._stager = Stager()  # pinned buffers and threads for input copies
+        self._outputs = Outputs()  # all-reduce output flats and their members' views, reused across steps
         if cupy.cuda.nvtx.available:  # timeline spans become NVTX ranges, so Nsight shows the same names
             timeline.use_nvtx(cupy.cuda.nvtx.RangePush, cupy.cuda.nvtx.RangePop)
 
@@ -236,13 +240,15 @@ class CudaBackend(NcclCollectives, Backend):
         return flat
 
     def unpack(self, flat, buffer: Buffer):
-        """Views of the flat buffer, no copy: a collective's flat result is new and each member owns its slice."""
-        return [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
+        """Views of the flat buffer, members of at most 1 KB copied out (so a kept loss does not keep its pack);
+        for an output of `execute`, the views it made last step (backends/cuda/results.py)."""
+        with self._on(flat.data.device_id):
+            return self._outputs.members(flat, buffer)
 
     @staticmethod
     def _members(api: str, arrays: Sequence[Any], ordinal: int) -> Sequence[cupy.ndarray]:
-        for k, array in enumerate(arrays):
-            if not isinstance(array, cupy.ndarray) or array.device.id != ordinal:
+        for k, array in enumerate(arrays):  # data.device_id: `device` makes a Device object, 1,000 per pack
+            if not isinstance(array, cupy.ndarray) or array.data.device_id != ordinal:
                 where = f"GPU:{array.device.id}" if isinstance(array, cupy.ndarray) else type(array).__name__
                 raise ValueError(f"{api} needs CuPy arrays on the pack's device GPU:{ordinal}. Received: arrays[{k}] "
                                  f"on {where}.")

@@ -7,6 +7,7 @@ methods use (`_ordinal`, `_stream`, `_on`, `_copy_between`, `copy`, `to_device`,
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import cupy
@@ -38,20 +39,37 @@ class NcclCollectives:
         buffer and device), every chunk of every buffer in one group call, one watchdog entry, members unpacked
         as views. Ring and hierarchical plans, and replicas sharing a GPU, go pack by pack."""
         ordinals = [self._ordinal(d) for d in devices]
-        if plan.method in (RING, HIERARCHICAL) or len(set(ordinals)) < len(ordinals):
+        distinct = len(set(ordinals))
+        if plan.method in (RING, HIERARCHICAL) or 1 < distinct < len(ordinals):
             return execute_pack_by_pack(self, plan, per_device, devices, timeout)
+        results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
         moves = []  # per buffer: (buffer, its NcclMove)
         for buffer in plan.packing.buffers:
             indices = [member.index for member in buffer.members]
             flats = [self.pack([values[i] for i in indices], buffer, device)
                      for values, device in zip(per_device, devices)]
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
-            moves.append((buffer, self._nccl_move(flats, buffer.chunks, ordinals, float_mean)))
+            outputs = functools.partial(self._reused_outputs, buffer, ordinals)  # of a dtype
+            if distinct < len(ordinals):  # every replica on one GPU: one reduce kernel writes every output
+                sums = outputs(flats[0].dtype)
+                self._sum_into(ordinals[0], "all_reduce", flats, ordinals, len(flats) if float_mean else 1, sums)
+                unpack_into(results, self, plan, buffer, sums, devices)
+            else:
+                moves.append((buffer, self._nccl_move(flats, buffer.chunks, ordinals, float_mean, outputs)))
         self._launch_all_reduces([move for _, move in moves], ordinals, timeout)
-        results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
         for buffer, move in moves:
             unpack_into(results, self, plan, buffer, self._finish(move, ordinals), devices)
         return results
+
+    def _reused_outputs(self, buffer, ordinals: Sequence[int], dtype) -> list[cupy.ndarray]:
+        """Each device's output flat for `buffer`: last step's where nothing holds it any more (cuda/results.py)."""
+        def allocate(ordinal: int) -> Callable[[], cupy.ndarray]:
+            def empty() -> cupy.ndarray:
+                with self._on(ordinal):
+                    return cupy.empty(buffer.size, dtype)
+            return empty
+
+        return [self._outputs.take(buffer, k, allocate(ordinal)) for k, ordinal in enumerate(ordinals)]
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         ordinals = self._flats_on("all_reduce", flats, devices)
@@ -62,11 +80,15 @@ class NcclCollectives:
         return self._finish(move, ordinals)
 
     def _nccl_move(self, flats: Sequence[cupy.ndarray], chunks: Sequence[tuple[int, int]], ordinals: Sequence[int],
-                   mean: bool) -> NcclMove:
-        """How one flat buffer per device is all-reduced through NCCL: cast if its dtype needs it, into new outputs."""
+                   mean: bool, outputs_of: Callable[[Any], list] | None = None) -> NcclMove:
+        """How one flat buffer per device is all-reduced through NCCL: cast if its dtype needs it, into new outputs
+        (or `outputs_of(dtype)`'s, when no cast is needed)."""
         reduction = cuda_dtypes.nccl_reduction(flats[0].dtype.name, mean, self._nccl(), "all_reduce")
         sources = self._cast(flats, ordinals, reduction.cast)
-        outputs = self._like(sources, ordinals, sources[0].size)
+        if outputs_of is None or reduction.cast:
+            outputs = self._like(sources, ordinals, sources[0].size)
+        else:
+            outputs = outputs_of(sources[0].dtype)
         calls = cuda_dtypes.chunk_calls(chunks, sources[0].itemsize, reduction.factor)
         return NcclMove(flats[0].dtype.name, reduction, sources, outputs, calls)
 
@@ -227,12 +249,18 @@ class NcclCollectives:
     def _sum_on(self, home: int, api: str, flats: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int,
                 outputs: int) -> list[cupy.ndarray]:
         """`outputs` arrays on GPU `home`, each the in-order sum of `flats` divided by `divisor`: one launch."""
+        with self._on(home):
+            results = [cupy.empty(flats[0].size, flats[0].dtype) for _ in range(outputs)]
+        self._sum_into(home, api, flats, ordinals, divisor, results)
+        return results
+
+    def _sum_into(self, home: int, api: str, flats: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int,
+                  outputs: Sequence[cupy.ndarray]) -> None:
+        """Writes the in-order sum of `flats` divided by `divisor` into every one of `outputs` (on GPU `home`)."""
         wire = cuda_dtypes.kernel_wire(flats[0].dtype.name, api)
         sources = [f if o == home else self._copy_between(f, home) for f, o in zip(flats, ordinals)]
         with self._on(home):
-            results = [cupy.empty(flats[0].size, flats[0].dtype) for _ in range(outputs)]
-            self._kernels.reduce(wire.dtype, flats[0].size * wire.factor, sources, results, divisor)
-        return results
+            self._kernels.reduce(wire.dtype, flats[0].size * wire.factor, sources, outputs, divisor)
 
     def _reduce_by_copies(self, api: str, flats, ordinals: list[int], mean: bool) -> list[cupy.ndarray]:
         """All-reduce when replicas share a GPU: a sum on the first device per replica there; copies elsewhere."""

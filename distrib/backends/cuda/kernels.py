@@ -54,10 +54,14 @@ def word_size(addresses: Iterable[int]) -> int:
       >>> word_size([0x7f0000000200, 4002])
       2
     """
+    return _widest_word(int(np.bitwise_or.reduce(np.fromiter(addresses, np.int64), initial=0)))
+
+
+def _widest_word(combined: int) -> int:
+    """The widest of WORD_SIZES dividing every address whose bits OR to `combined`: its lowest set bit, at most."""
     width = WORD_SIZES[0]
-    for address in addresses:
-        while address % width:
-            width //= 2
+    while combined % width:
+        width //= 2
     return width
 
 
@@ -75,8 +79,10 @@ def move_table(member_pointers: Sequence[int], member_nbytes: Sequence[int],
     """
     byte_offsets = np.zeros(len(member_nbytes) + 1, np.int64)
     np.cumsum(member_nbytes, out=byte_offsets[1:])
-    width = word_size([flat_pointer, *member_pointers, *byte_offsets.tolist()])
-    return width, np.concatenate([np.asarray(member_pointers, np.int64), byte_offsets // width])
+    pointers = np.asarray(member_pointers, np.int64)
+    combined = flat_pointer | int(np.bitwise_or.reduce(pointers, initial=0) | np.bitwise_or.reduce(byte_offsets))
+    width = _widest_word(combined)  # one OR over every address: a Python loop over 1,000 members cost ~100 us
+    return width, np.concatenate([pointers, byte_offsets // width])
 
 
 def update_kernel(rule: str, dtype: str) -> str:
