@@ -17,10 +17,6 @@ from distrib.devices import HOST
 from distrib.options import CommunicationImplementation, CommunicationOptions, ReduceOp
 
 
-def _is_float(array: Any) -> bool:
-    return array.dtype.kind in "fc"
-
-
 class CrossDeviceOps:
     """Base class: reductions, broadcasts and gathers of per-device arrays."""
 
@@ -87,7 +83,7 @@ def _reduce_on(backend: Backend, op: ReduceOp, components: Sequence[Any], target
         total = backend.add_n(list(components), target)
     if op is ReduceOp.MEAN:
         with backend.device_scope(target):
-            if accumulation_fn is None and _is_float(total):
+            if accumulation_fn is None and planner.is_inexact(total.dtype):
                 total /= len(components)  # add_n's fresh buffer: divide in place
             else:
                 total = backend.xp.asarray(total / len(components))  # NumPy makes 0-d / int a scalar

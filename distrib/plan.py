@@ -127,6 +127,7 @@ def concat_split_bounds(total: int, num_packs: int) -> list[tuple[int, int]]:
 
 
 _DTYPE_NAMES: dict[object, str] = {}
+FLOAT_PREFIXES = ("float", "complex", "bfloat")  # dtype names of inexact numbers, ml_dtypes' included
 
 
 def dtype_name(dtype: object) -> str:
@@ -138,6 +139,11 @@ def dtype_name(dtype: object) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
     return name
+
+
+def is_inexact(dtype: object) -> bool:
+    """Whether `dtype` holds floating-point or complex numbers, ml_dtypes' bfloat16 (NumPy kind 'V') included."""
+    return dtype_name(dtype).startswith(FLOAT_PREFIXES)
 
 
 def _normalize(specs: Sequence[Spec]) -> list[tuple[tuple[int, ...], str, int]]:

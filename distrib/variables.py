@@ -19,6 +19,7 @@ import numpy as np
 from distrib import context
 from distrib.backends import Backend, get_backend
 from distrib.options import coerce_enum
+from distrib.plan import is_inexact
 from distrib.values import DistributedValues, PerReplica, is_zero_scalar, register_leaf_type
 
 
@@ -123,7 +124,7 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
         value = self._backend.to_device(initial_value, device)
         if dtype is not None:
             value = value.astype(dtype, copy=False)
-        if value.dtype.kind in "OSUV":
+        if value.dtype.kind in "OSUV" and value.dtype.name != "bfloat16":  # ml_dtypes' bfloat16 is kind 'V'
             raise TypeError(f"A variable holds a numeric array. Received: dtype {value.dtype}.")
         self._buffer = self._own(value)
         self._write_serial = 0  # changes at every write (see _writable): lets a reader keep a host copy of the value
@@ -353,7 +354,7 @@ def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         value = strategy.extended._first_replica_value(value.values[0]) if isinstance(value, PerReplica) else value
     elif isinstance(value, PerReplica):
-        if aggregation is VariableAggregation.MEAN and variable.dtype.kind not in "fc":
+        if aggregation is VariableAggregation.MEAN and not is_inexact(variable.dtype):
             raise ValueError(f"Cannot update non-float variable {variable.name!r} with aggregation MEAN: the mean "
                              f"of its replicas' values is not an integer.")
         value = strategy.extended.reduce_to(aggregation.name, value, destinations=variable)
@@ -403,7 +404,7 @@ class SyncOnReadVariable(DistributedVariable):
                              f"a cross-replica context: the change would be counted once per replica.")
         if method == "assign" and self._aggregation is VariableAggregation.SUM:
             share = np.asarray(self._strategy.extended.backend.to_host(value)) / self._strategy.num_replicas_in_sync
-            value = share if self.dtype.kind in "fc" else np.trunc(share).astype(self.dtype)  # 7 over 2 -> 3 + 3
+            value = share if is_inexact(self.dtype) else np.trunc(share).astype(self.dtype)  # 7 over 2 -> 3 + 3
         return self._update_all(method, value)
 
 
@@ -432,7 +433,7 @@ def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequen
         initial_value = initial_value()  # once: every replica starts from the same value
     primary = Variable.__new__(Variable)
     Variable.__init__(primary, initial_value, trainable, None, dtype=dtype, device=devices[0], backend=backend)
-    if aggregation is VariableAggregation.MEAN and primary.dtype.kind not in "fc":
+    if aggregation is VariableAggregation.MEAN and not is_inexact(primary.dtype):
         raise ValueError(f"aggregation MEAN needs a floating-point variable. Received: dtype {primary.dtype}; use "
                          f"SUM or ONLY_FIRST_REPLICA for integers.")
     name = name or "Variable"

@@ -15,6 +15,7 @@ import numpy as np
 from distrib.backends.base import Backend
 from distrib.backends.packed import execute_pack_by_pack
 from distrib.backends.parallel import MIN_SHARE_BYTES, run_shares, run_split
+from distrib.backends.torch_tensors import exportable, is_torch_tensor, torch_device
 from distrib.devices import parse_device
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, Buffer
@@ -75,18 +76,15 @@ class BufferPool:
 
 
 def to_numpy(value: Any) -> np.ndarray:
-    """Any array-like (NumPy, a NumPy scalar, a Python number, DLPack or CUDA arrays) as a NumPy array."""
+    """Any array-like (NumPy, a NumPy scalar, a Python number, a torch tensor, DLPack or CUDA arrays) as NumPy."""
     if isinstance(value, np.ndarray):
         return value
     if isinstance(value, (np.number, np.bool_, int, float, complex, bool)):
         return np.asarray(value)
-    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+    if is_torch_tensor(value):
         return _torch_to_numpy(value)
-    if hasattr(value, "__cuda_array_interface__"):
-        if hasattr(value, "get"):  # CuPy
-            return value.get()
-        if hasattr(value, "cpu"):  # PyTorch
-            return value.detach().cpu().numpy()
+    if hasattr(value, "__cuda_array_interface__") and hasattr(value, "get"):  # CuPy
+        return value.get()
     if hasattr(value, "__dlpack__"):
         try:
             return np.from_dlpack(value)
@@ -104,18 +102,14 @@ def to_numpy(value: Any) -> np.ndarray:
 
 
 def _torch_to_numpy(tensor: Any) -> np.ndarray:
-    """A PyTorch tensor as NumPy: its values without autograd's history, bfloat16 as ml_dtypes' bfloat16."""
-    import torch  # already imported: `tensor` is one of its tensors
-
-    tensor = tensor.detach().cpu()  # a value leaves autograd here, as a tensor fed to TensorFlow would
-    if tensor.dtype != torch.bfloat16:
-        return tensor.numpy()
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise TypeError("A bfloat16 tensor needs ml_dtypes, NumPy's bfloat16 (pip install ml_dtypes). Received: a "
-                        "torch.bfloat16 tensor.") from None
-    return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # the same bits, reinterpreted
+    """A PyTorch tensor in host memory as NumPy over the same memory, through DLPack (torch_tensors.exportable)."""
+    exported, dtype = exportable(tensor)
+    if torch_device(tensor) != "cpu":
+        raise TypeError(f"The CPU emulator and host copies read torch tensors in host memory. Received: a tensor "
+                        f"on {tensor.device}; pass tensor.cpu(), or name GPU devices (distrib[cuda12]) to reduce it "
+                        "where it lies.")
+    array = np.from_dlpack(exported)
+    return array if dtype is None else array.view(dtype)
 
 
 def _shared(array: np.ndarray, count: int) -> list[np.ndarray]:

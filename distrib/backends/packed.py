@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from distrib.plan import HIERARCHICAL, RING, AllReducePlan, Buffer
+from distrib.plan import FLOAT_PREFIXES, HIERARCHICAL, RING, AllReducePlan, Buffer
 
 if TYPE_CHECKING:  # pragma: no cover
     from distrib.backends.base import Backend
-
-FLOAT_PREFIXES = ("float", "complex", "bfloat")
 
 
 PackAll = Callable[[Sequence[Sequence[Any]], Buffer, Sequence[str]], list]  # every device's members -> flats

@@ -7,11 +7,15 @@ from typing import Any
 import cupy
 import numpy as np
 
+from distrib.backends.torch_tensors import exportable, is_torch_tensor, torch_device
+
 _CUDA_DLPACK_DEVICES = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
 
 
 def on_gpu(value: Any) -> bool:
     """Whether `value` is an array in GPU memory (CuPy, or another library's through its protocols)."""
+    if is_torch_tensor(value):  # before the protocols: a tensor that requires grad raises from both
+        return torch_device(value) == "cuda"
     if isinstance(value, cupy.ndarray) or hasattr(value, "__cuda_array_interface__"):
         return True
     device = getattr(value, "__dlpack_device__", None)
@@ -22,9 +26,23 @@ def as_cupy(value: Any) -> cupy.ndarray:
     """A GPU array as a CuPy array over the same memory (no copy)."""
     if isinstance(value, cupy.ndarray):
         return value
+    if is_torch_tensor(value):
+        return _torch_as_cupy(value)
     if hasattr(value, "__cuda_array_interface__"):
         return cupy.asarray(value)
     return cupy.from_dlpack(value)
+
+
+def _torch_as_cupy(tensor: Any) -> cupy.ndarray:
+    """A CUDA torch tensor as CuPy over the same memory, through DLPack (torch_tensors.exportable).
+
+    DLPack rather than `__cuda_array_interface__`: the import hands torch CuPy's current stream on the tensor's
+    device, and torch makes that stream wait for the work queued on the tensor, so no synchronisation is lost.
+    """
+    exported, dtype = exportable(tensor)
+    with cupy.cuda.Device(tensor.device.index):
+        array = cupy.from_dlpack(exported)
+    return array if dtype is None else array.view(dtype)
 
 
 def upload(host: np.ndarray) -> cupy.ndarray:
