@@ -6,6 +6,9 @@ is checked against the same program on the tensor's NumPy twin (its values, in i
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import numpy as np
 import pytest
 
@@ -186,3 +189,11 @@ def test_tensors_without_a_plain_array_raise_a_type_error_saying_what_to_do(stra
         strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", tensor))
     with pytest.raises(TypeError, match=message):
         strategy.reduce("SUM", strategy.experimental_distribute_values_from_function(lambda ctx: tensor), axis=None)
+
+
+def test_the_readmes_pytorch_example_runs(torch, capsys):
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    program = re.search(r"## PyTorch tensors\n\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(program, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["array([1.5, 1.5, 1.5], dtype=float32)", "tensor([1.5000, 1.5000, 1.5000])"]
