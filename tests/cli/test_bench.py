@@ -94,6 +94,7 @@ def test_flags_with_nccl_tests_meanings(tmp_path, capsys):
     (["-d", "int32", "-o", "avg"], "-o avg needs a floating type"),
     (["-b", "1M", "-e", "1K"], "invalid sizes for 'minbytes' and 'maxbytes'"),
     (["-n", "0"], "-n must be at least 1"),
+    (["-g", "0"], "-g must be at least 1"),
 ])
 def test_flags_distrib_cannot_honour_exit_with_the_reason(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

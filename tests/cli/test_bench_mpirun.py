@@ -32,6 +32,7 @@ def job(tmp_path_factory):
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     tables = dict(zip(NAMES, ("# distrib bench " + part for part in done.stdout.split("# distrib bench ")[1:])))
+    assert "distrib bench: error: under mpirun, broadcast's root must be one of rank 0's 2 devices" in done.stderr
     return tables, {name: json.loads((folder / f"{name}.json").read_text()) for name in NAMES}
 
 

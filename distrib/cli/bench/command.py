@@ -65,7 +65,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     args.minbytes = parse_size(default_b) if args.minbytes is None else args.minbytes
     args.maxbytes = parse_size(default_e) if args.maxbytes is None else args.maxbytes
     for flag, value, low in (("-n", args.iters, 1), ("-w", args.warmup_iters, 0), ("-c", args.check, 0),
-                             ("-f", args.stepfactor, 1), ("-r", args.root, 0), ("--array-bytes", args.array_bytes, 1)):
+                             ("-f", args.stepfactor, 1), ("-r", args.root, 0), ("--array-bytes", args.array_bytes, 1),
+                             ("-g", 1 if args.ngpus is None else args.ngpus, 1)):
         if value < low:
             raise _fail("bench", f"{flag} must be at least {low}. Received: {value}.")
     if args.minbytes > args.maxbytes:
