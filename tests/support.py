@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: arrays from other libraries, read-only results, four emulated replicas."""
+"""Helpers shared by the tests: other libraries' arrays, PyTorch or a skip, read-only results, four replicas."""
 
 import numpy as np
 import pytest
@@ -47,3 +47,13 @@ class DLPackOnly:
 
     def __dlpack_device__(self):
         return self._array.__dlpack_device__()
+
+
+def import_torch():
+    """PyTorch, or a skip saying why it is missing (.ci/run installs the CPU build when PyTorch's index answers)."""
+    try:
+        import torch
+    except Exception as exc:  # absent, or a build that cannot load here (a CUDA build without its libraries)
+        pytest.skip(f"PyTorch does not import here ({type(exc).__name__}: {exc}); .ci/run installs the CPU build "
+                    "(pip install torch --index-url https://download.pytorch.org/whl/cpu)")
+    return torch

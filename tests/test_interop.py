@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import distrib
+from support import import_torch
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes (NumPy's bfloat16) comes with distrib[test]")
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -25,12 +26,7 @@ def strategy():
 
 @pytest.fixture(scope="module")
 def torch():
-    try:
-        import torch
-    except Exception as exc:  # absent, or a build that cannot load here (a CUDA build without its libraries)
-        pytest.skip(f"PyTorch does not import here ({type(exc).__name__}: {exc}); .ci/run installs the CPU build "
-                    "(pip install torch --index-url https://download.pytorch.org/whl/cpu)")
-    return torch
+    return import_torch()
 
 
 def all_reduce(strategy, op, make):
@@ -40,7 +36,8 @@ def all_reduce(strategy, op, make):
 
 
 def test_numpy_bfloat16_reduces_on_the_emulator(strategy):
-    results = all_reduce(strategy, "SUM", lambda ctx: np.arange(3).astype(BFLOAT16) * (ctx.replica_id_in_sync_group + 1))
+    results = all_reduce(strategy, "SUM",
+                         lambda ctx: np.arange(3).astype(BFLOAT16) * (ctx.replica_id_in_sync_group + 1))
     for result in results:
         assert result.dtype == BFLOAT16 and result.astype(np.float32).tolist() == [0.0, 3.0, 6.0]
     values = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(2, BFLOAT16))
@@ -90,7 +87,10 @@ def both(torch, kind, program):
 @pytest.mark.parametrize("kind", TENSORS)
 def test_torch_tensors_all_reduce_in_run_as_their_numpy_twins(strategy, torch, kind, op):
     def program(make):
-        replica = lambda: distrib.get_replica_context().all_reduce(op, make(distrib.get_replica_context().replica_id_in_sync_group))
+        def replica():
+            ctx = distrib.get_replica_context()
+            return ctx.all_reduce(op, make(ctx.replica_id_in_sync_group))
+
         return strategy.experimental_local_results(strategy.run(replica))
 
     got, want = both(torch, kind, program)

@@ -9,19 +9,14 @@ import numpy as np
 import pytest
 
 from distrib.backends.torch_tensors import exportable, is_torch_tensor
-from support import DLPackOnly
+from support import DLPackOnly, import_torch
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes (NumPy's bfloat16) comes with distrib[test]")
 
 
 @pytest.fixture(scope="module")
 def torch():
-    try:
-        import torch
-    except Exception as exc:  # absent, or a build that cannot load here
-        pytest.skip(f"PyTorch does not import here ({type(exc).__name__}: {exc}); .ci/run installs the CPU build "
-                    "(pip install torch --index-url https://download.pytorch.org/whl/cpu)")
-    return torch
+    return import_torch()
 
 
 def read(tensor) -> np.ndarray:

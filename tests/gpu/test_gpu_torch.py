@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import distrib
+from support import import_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -15,10 +16,7 @@ ml_dtypes = pytest.importorskip("ml_dtypes")
 
 @pytest.fixture(scope="module")
 def torch():
-    try:
-        import torch
-    except Exception as exc:  # absent, or a build that cannot load here
-        pytest.skip(f"PyTorch does not import here ({type(exc).__name__}: {exc})")
+    torch = import_torch()
     if not torch.cuda.is_available():
         pytest.skip(f"this PyTorch build ({torch.__version__}) has no CUDA")
     return torch
