@@ -34,6 +34,7 @@ from distrib.replica_team import ReplicaTeam
 from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, executing_worker,
                                      retire_all)
 from distrib.strategy import Strategy
+from distrib.thread_waits import wait_chain
 from distrib.values import regroup, select_replicas
 
 _POLL_SECONDS = 0.05
@@ -94,6 +95,8 @@ class MirroredExtended(StrategyExtended):
             while not acquired:
                 with deferred_interrupts():  # so that a Ctrl-C cannot land between taking the lock and `acquired`
                     acquired = self._run_lock.acquire(timeout=_POLL_SECONDS)
+                if not acquired:
+                    self._refuse_a_run_that_would_wait_forever()
                 if not acquired and time.monotonic() - started >= wait:
                     raise DeadlineExceededError(
                         f"Strategy.run waited {wait:g} s for this strategy's run in progress on another thread to "
@@ -109,6 +112,18 @@ class MirroredExtended(StrategyExtended):
             if acquired:
                 self._running_thread = None
                 self._run_lock.release()
+
+    def _refuse_a_run_that_would_wait_forever(self) -> None:
+        """ContextError if the run in progress waits, without a timeout, for the thread calling `run`."""
+        holder = self._running_thread
+        waiters = [worker.thread.ident for worker in list(self._threads)] + ([holder] if holder else [])
+        chain = wait_chain(waiters, threading.get_ident())
+        if chain is not None:
+            raise ContextError(
+                f"Strategy.run cannot start on this thread: the strategy's run in progress waits for it, so "
+                f"neither could ever end ({'; '.join(chain)}). Runs of one strategy cannot nest from a thread "
+                f"that a replica function waits on: return what the thread computed and call run after the run "
+                f"in progress returns, or call the function directly in the replica function.")
 
     def _run(self, fn, args, kwargs, threads: list[ReplicaThread], deadline: float | None):
         count = len(self._devices)

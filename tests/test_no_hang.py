@@ -3,6 +3,7 @@ and nothing kept alive: failed runs, dropped and closed strategies."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import math
 import os
@@ -120,10 +121,90 @@ def test_a_collective_timeout_shows_where_the_missing_replica_is(strategy):
     assert "Replica 1 is at:" in str(excinfo.value) and "test_no_hang.py\", line" in str(excinfo.value)
 
 
-def test_run_from_a_helper_thread_of_a_replica_ends_in_a_deadline_not_a_hang(strategy):
+def run_in_helper(strategy, errors):
+    """What a replica function's helper thread does: run the strategy, keeping the error it raises."""
+    try:
+        strategy.run(lambda: None)  # the default 600 s wait: only a prompt refusal ends this within the test
+    except ContextError as exc:
+        errors.append(exc)
+
+
+def test_run_from_a_helper_thread_that_the_replica_joins_is_refused_at_once(strategy):
     errors = []
 
+    def step():
+        if distrib.get_replica_context().replica_id_in_sync_group == 0:
+            helper = threading.Thread(target=run_in_helper, args=(strategy, errors), name="helper")
+            helper.start()
+            helper.join()
+        return 1
+
+    strategy.run(step)
+    assert len(errors) == 1 and str(errors[0]).startswith("Strategy.run cannot start on this thread: the "
+                                                          "strategy's run in progress waits for it")
+    assert "'distrib-replica-0' waits in Thread.join for 'helper'" in str(errors[0])
+    assert sum_of_ones(strategy) == [4.0] * 4
+
+
+def test_run_from_a_thread_pool_whose_result_the_replica_waits_for_is_refused_at_once(strategy):
+    errors = []
+
+    def step():
+        if distrib.get_replica_context().replica_id_in_sync_group == 1:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pool.submit(run_in_helper, strategy, errors).result()
+        return 1
+
+    strategy.run(step)
+    assert len(errors) == 1 and "'distrib-replica-1' waits in Future.result for" in str(errors[0])
+    assert sum_of_ones(strategy) == [4.0] * 4
+
+
+def test_a_helper_joined_with_a_timeout_runs_once_the_run_in_progress_ends(strategy):
+    results, helpers = [], []
+
+    def in_helper():
+        results.append(sum_of_ones(strategy))
+
+    def step():
+        if distrib.get_replica_context().replica_id_in_sync_group == 0:
+            helpers.append(threading.Thread(target=in_helper))
+            helpers[0].start()
+            helpers[0].join(timeout=0.2)  # gives up waiting: the helper's run waits its turn instead
+        return 1
+
+    strategy.run(step)
+    helpers[0].join()
+    assert results == [[4.0] * 4]
+
+
+def test_runs_from_two_user_threads_take_turns(strategy):
+    gate, results = threading.Event(), []
+
+    def slow_step():
+        if distrib.get_replica_context().replica_id_in_sync_group == 0:
+            waiter = threading.Thread(target=gate.wait)  # a replica joining a thread unrelated to the other run
+            waiter.start()
+            waiter.join()
+        return distrib.get_replica_context().all_reduce("SUM", np.float32(1))
+
+    first = threading.Thread(target=lambda: results.append(strategy.experimental_local_results(
+        strategy.run(slow_step))))
+    second = threading.Thread(target=lambda: results.append(sum_of_ones(strategy)))
+    first.start()
+    assert wait_until(lambda: strategy.extended._running_thread == first.ident)
+    second.start()
+    time.sleep(0.2)  # the second run is waiting for the first one now
+    gate.set()
+    first.join(), second.join()
+    assert [[float(x) for x in out] for out in results] == [[4.0] * 4] * 2
+
+
+def test_a_wait_that_cannot_be_seen_ends_in_a_deadline_naming_the_run_in_progress(strategy):
+    errors, started = [], threading.Event()
+
     def nested():
+        started.set()
         try:
             strategy.run(lambda: None, options=RunOptions(timeout_seconds=0.3))
         except DeadlineExceededError as exc:
@@ -131,13 +212,14 @@ def test_run_from_a_helper_thread_of_a_replica_ends_in_a_deadline_not_a_hang(str
 
     def step():
         if distrib.get_replica_context().replica_id_in_sync_group == 0:
-            helper = threading.Thread(target=nested)
-            helper.start()
-            helper.join()
+            threading.Thread(target=nested).start()
+            started.wait()
+            while not errors:  # a wait on user state, which no stack shows
+                time.sleep(0.01)
         return 1
 
     strategy.run(step)
-    assert len(errors) == 1 and str(errors[0]).startswith("Strategy.run waited 0.3 s for this strategy's run")
+    assert str(errors[0]).startswith("Strategy.run waited 0.3 s for this strategy's run in progress")
     assert sum_of_ones(strategy) == [4.0] * 4
 
 
