@@ -90,7 +90,15 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def unpack(self, flat: Any, buffer: Buffer) -> list[Any]:
-        """The members of a flat buffer as arrays of their shapes, in member order."""
+        """The members of a flat buffer as arrays of their shapes, in member order.
+
+        A member of a pack of several is a copy of its own, never a view that keeps the rest of the pack
+        alive; the member of a pack of one may be the flat buffer itself.
+        """
+
+    def unpack_all(self, flats: Sequence[Any], buffer: Buffer) -> list[list[Any]]:
+        """`unpack` of each device's flat buffer of `buffer`; a backend may share work between devices."""
+        return [self.unpack(flat, buffer) for flat in flats]
 
     @abc.abstractmethod
     def execute(self, plan: AllReducePlan, per_device: Sequence[Sequence[Any]], devices: Sequence[str], *,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
 import threading
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -21,7 +21,8 @@ from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, Buffer
 
 DEFAULT_REPLICAS = 2
-SMALL_MEMBER_BYTES = 1024  # results this small are copied out of their pooled pack (losses, metrics, counts)
+# Copies of members smaller than this on average hold the GIL between members for too long to overlap on threads.
+SMALL_COPY_BYTES = MIN_SHARE_BYTES // 4
 
 
 def _idle_refcount() -> int:
@@ -166,7 +167,6 @@ class CpuBackend(Backend):
             raise ValueError(f"The CPU emulator needs at least 1 replica. Received: {num_default_replicas}.")
         self._num_default = num_default_replicas
         self._pool = BufferPool()
-        self._small_copies: tuple | None = None  # (the pack's base, its Buffer, its small members' copies)
 
     @property
     def xp(self):
@@ -215,31 +215,39 @@ class CpuBackend(Backend):
         return flat
 
     def unpack(self, flat, buffer: Buffer):
-        views = [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
-        if flat.nbytes < BufferPool.MIN_BYTES or len(views) == 1:
-            return views  # not pooled (a pack this small is its own allocation), or the member is the pack
-        return self._owned_small_members(flat, buffer, views)
+        """The members of `flat`: a view of it for a pack of one, else copies of their own.
 
-    def _owned_small_members(self, flat: np.ndarray, buffer: Buffer, views: list) -> list:
-        """`views` with the small members copied out, so that a kept loss or metric does not pin its pack.
-
-        A view keeps its whole pooled pack alive (and out of the pool): 3,000 kept scalars would hold 3,000
-        packs. Members of at most SMALL_MEMBER_BYTES cost little to copy; each pack's copies are made once and
-        shared, read-only, by the replicas' results (which are views of one buffer on the emulator).
+        A view keeps its whole pack alive, and a pooled pack out of the pool: 3,000 kept losses would hold
+        3,000 packs. A copy keeps only itself; it comes from the pool when large and stays read-only when the
+        pack is, so that results are as immutable as TensorFlow's tensors.
         """
-        cached = self._small_copies
-        if cached is not None and cached[0]() is flat.base and cached[1] is buffer:
-            copies = cached[2]
+        views = [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
+        if len(views) == 1:
+            return views  # the member is the whole pack: it keeps only itself alive
+        if flat.nbytes < len(views) * SMALL_COPY_BYTES:
+            copies = [view.copy() for view in views]
         else:
-            copies = {}
-            for k, view in enumerate(views):
-                if view.nbytes <= SMALL_MEMBER_BYTES:
-                    copies[k] = owned = view.copy()
-                    owned.flags.writeable = False
-            self._small_copies = (weakref.ref(flat.base), buffer, copies) if flat.base is not None else None
-        for k, owned in copies.items():
-            views[k] = owned.view()
-        return views
+            copies = [self._pool.empty(view.shape, view.dtype) for view in views]
+            run_split([functools.partial(np.copyto, copy, view) for copy, view in zip(copies, views)], flat.nbytes)
+        if not flat.flags.writeable:
+            for copy in copies:
+                copy.flags.writeable = False
+        return copies
+
+    def unpack_all(self, flats, buffer: Buffer):
+        """Read-only flats that are one buffer (a collective's result, shared by the emulated devices) are
+        unpacked once; each device gets its own views of those members."""
+        unpacked: dict[int, list] = {}  # the address of a read-only flat -> its members
+        out = []
+        for flat in flats:
+            key = None if flat.flags.writeable else flat.__array_interface__["data"][0]
+            if key in unpacked:
+                out.append([member.view() for member in unpacked[key]])
+            else:
+                out.append(self.unpack(flat, buffer))
+                if key is not None:
+                    unpacked[key] = out[-1]
+        return out
 
     def execute(self, plan, per_device, devices, *, timeout=None):
         if plan.method == NCCL:  # as TensorFlow fails at collective time on a machine without GPUs
@@ -252,9 +260,8 @@ class CpuBackend(Backend):
     def _pack_all(self, members, buffer, devices):
         """Every device's pack at once, devices spread over the threads the strategy lends (replica r packs
         its own values where there are enough threads)."""
-        # One member is a view of it, nothing to copy; copies of small members (below ~64 KB on average)
-        # hold the GIL between members for too long to overlap, so those are packed on the merge thread.
-        if len(buffer.members) == 1 or buffer.nbytes < len(buffer.members) * (MIN_SHARE_BYTES // 4):
+        # One member is a view of it, nothing to copy; small members are packed on the merge thread.
+        if len(buffer.members) == 1 or buffer.nbytes < len(buffer.members) * SMALL_COPY_BYTES:
             return [self.pack(arrays, buffer, device) for arrays, device in zip(members, devices)]
         flats = [self._pool.empty((buffer.size,), buffer.dtype) for _ in devices]
 

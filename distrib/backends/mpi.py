@@ -101,8 +101,7 @@ class MpiBackend(CpuBackend):
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
             if float_mean:
                 np.true_divide(total, count, out=total)
-            for out, flat in zip(results, shared_views(total, len(devices))):
-                arrays = self.unpack(flat, buffer)
+            for out, arrays in zip(results, self.unpack_all(shared_views(total, len(devices)), buffer)):
                 if plan.mean and not float_mean:  # integer MEAN: SUM, then true division, as TensorFlow does
                     arrays = [np.asarray(a / count) for a in arrays]
                 for member, array in zip(buffer.members, arrays):

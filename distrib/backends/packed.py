@@ -54,8 +54,7 @@ def unpack_into(results: list[list[Any]], backend: "Backend", plan: AllReducePla
     """Writes the members of each device's reduced flat buffer into `results[device][value index]`; an integer
     MEAN is divided here, after the sum (true division, as TensorFlow does)."""
     integer_mean = plan.mean and not buffer.dtype.startswith(FLOAT_PREFIXES)
-    for out, flat, device in zip(results, reduced, devices):
-        arrays = backend.unpack(flat, buffer)
+    for out, arrays, device in zip(results, backend.unpack_all(reduced, buffer), devices):
         if integer_mean:
             with backend.device_scope(device):
                 arrays = [backend.xp.asarray(a / len(devices)) for a in arrays]

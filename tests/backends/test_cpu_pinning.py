@@ -1,4 +1,4 @@
-"""A kept result of a collective keeps only itself alive, not the pooled pack it was reduced in."""
+"""A kept result of a collective keeps only itself alive, not the pack it was reduced in."""
 
 from __future__ import annotations
 
@@ -6,8 +6,17 @@ import numpy as np
 import pytest
 
 import distrib
+from distrib import CommunicationOptions
+from distrib.cross_device_ops import HierarchicalCopyAllReduce
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(60)
+
+DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+GRADIENT = 64_000  # float32 elements: 256 KB, large enough for the buffer pool and for copies on threads
+
+MIRRORED = [pytest.param(dict(), id="batched"),
+            pytest.param(dict(communication_options=CommunicationOptions(implementation="RING")), id="ring"),
+            pytest.param(dict(cross_device_ops=HierarchicalCopyAllReduce(num_packs=1)), id="hierarchical")]
 
 
 def memory_held(array: np.ndarray) -> int:
@@ -15,27 +24,53 @@ def memory_held(array: np.ndarray) -> int:
     return array.nbytes if array.base is None else memory_held(array.base)
 
 
-def test_a_kept_loss_does_not_pin_the_gradients_pack_it_was_reduced_in():
-    grads = np.ones(64_000, np.float32)  # 256 KB: the pack comes from the buffer pool
+def keep_one_member(strategy, values, keep: int, steps: int) -> list[list[np.ndarray]]:
+    """Runs `steps` all-reduces of `values` (replica r adds r + 1, step s adds s), keeping member `keep`."""
+    def step(s):
+        ctx = distrib.get_replica_context()
+        offset = np.float32(ctx.replica_id_in_sync_group + 1 + s)
+        return ctx.all_reduce("SUM", [value + offset for value in values])[keep]
 
-    def step():
-        out = distrib.get_replica_context().all_reduce("SUM", {"loss": np.float32(1), "grads": grads})
+    return [list(strategy.experimental_local_results(strategy.run(step, args=(s,)))) for s in range(steps)]
+
+
+def test_a_kept_loss_does_not_pin_the_gradients_pack_it_was_reduced_in():
+    grads = np.ones(GRADIENT, np.float32)
+
+    def step(s):
+        out = distrib.get_replica_context().all_reduce("SUM", {"loss": np.float32(s), "grads": grads})
         return out["loss"]
 
-    with distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"]) as strategy:
-        kept = [strategy.experimental_local_results(strategy.run(step)) for _ in range(20)]
-    for losses in kept:
-        assert [float(x) for x in losses] == [4.0] * 4
-        assert all(memory_held(x) <= 1024 for x in losses)
+    with distrib.MirroredStrategy(DEVICES) as strategy:
+        kept = [strategy.experimental_local_results(strategy.run(step, args=(s,))) for s in range(20)]
+    for s, losses in enumerate(kept):
+        assert [float(x) for x in losses] == [4.0 * s] * 4  # each step's own loss, not an earlier step's
+        assert all(memory_held(x) == 4 for x in losses)
         assert not any(x.flags.writeable for x in losses)  # results stay read-only, like tensors
 
 
-def test_large_members_stay_views_of_the_reduced_pack():
-    def step():
-        out = distrib.get_replica_context().all_reduce("SUM", [np.ones(64_000, np.float32)] * 2)
-        return out[0]
+@pytest.mark.parametrize("kwargs", MIRRORED)
+def test_kept_members_of_large_packs_hold_their_own_size(kwargs):
+    values = [np.zeros(GRADIENT, np.float32) for _ in range(4)]  # a 1 MB pack of four 256 KB members
+    with distrib.MirroredStrategy(DEVICES, **kwargs) as strategy:
+        kept = keep_one_member(strategy, values, keep=2, steps=8)
+    for s, per_replica in enumerate(kept):
+        for member in per_replica:
+            np.testing.assert_array_equal(member, np.full(GRADIENT, 10 + 4 * s, np.float32))
+            assert memory_held(member) == GRADIENT * 4
 
+
+def test_members_of_a_batch_of_small_arrays_hold_their_own_size():
+    values = [np.zeros(1_000, np.float32) for _ in range(200)]  # 200 arrays of 4 KB in one 800 KB pack
+    with distrib.MirroredStrategy(DEVICES) as strategy:
+        kept = keep_one_member(strategy, values, keep=150, steps=8)
+    assert all(memory_held(member) == 4_000 for per_replica in kept for member in per_replica)
+
+
+def test_replicas_share_one_read_only_copy_of_each_member():
+    values = [np.zeros(GRADIENT, np.float32) for _ in range(2)]
     with distrib.MirroredStrategy(["CPU:0", "CPU:1"]) as strategy:
-        first, second = strategy.experimental_local_results(strategy.run(step))
-    assert np.shares_memory(first, second)  # one buffer shared by the emulated devices, not copied
-    np.testing.assert_array_equal(first, np.full(64_000, 2, np.float32))
+        ((first, second),) = keep_one_member(strategy, values, keep=1, steps=1)
+    assert np.shares_memory(first, second)  # the emulated devices share host memory: one copy, not two
+    assert not first.flags.writeable and not second.flags.writeable
+    np.testing.assert_array_equal(first, np.full(GRADIENT, 3, np.float32))

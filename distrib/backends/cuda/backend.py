@@ -50,11 +50,11 @@ class CudaBackend(NcclCollectives, Backend):
     $DISTRIB_COLLECTIVE_TIMEOUT, else 600) or on an NCCL error, aborts the communicators. The error
     (DeadlineExceededError, CollectiveError) is raised at the next synchronisation point: the next collective,
     `synchronize()` or a copy to the host. Replicas that share a GPU (NCCL refuses two ranks on one device) are
-    reduced by copies and the reduce kernel instead. Results are arrays of their own, one per device; unpacked
-    members are views of their flat result, as on the CPU emulator (members of at most 1 KB of a pack of 64 KB or
-    more are copies), and a plan executed again reuses the flats and views of its last run that nothing holds any
-    more (backends/cuda/results.py). CuPy's, CUDA's, NVRTC's and NCCL's exceptions leave every method as distrib's
-    (backends/cuda/errors.py).
+    reduced by copies and the reduce kernel instead. Results are arrays of their own, one per device: the member
+    of a pack of one is a view of its flat result, the members of a pack of several are copied out of it by one
+    unpack kernel (a kept result keeps only itself alive, as on the CPU emulator), and a plan executed again
+    reuses the flats and arrays of its last run that nothing holds any more (backends/cuda/results.py). CuPy's,
+    CUDA's, NVRTC's and NCCL's exceptions leave every method as distrib's (backends/cuda/errors.py).
 
     Example:
       >>> import distrib, cupy
@@ -76,7 +76,7 @@ class CudaBackend(NcclCollectives, Backend):
         self._nccl_version: int | None = None
         self._side_streams: dict[int, cupy.cuda.Stream] = {}  # host-to-device input copies
         self._stager = Stager()  # pinned buffers and threads for input copies
-        self._outputs = Outputs()  # all-reduce output flats and their members' views, reused across steps
+        self._outputs = Outputs()  # all-reduce output flats and their members, reused across steps
         if cupy.cuda.nvtx.available:  # timeline spans become NVTX ranges, so Nsight shows the same names
             timeline.use_nvtx(cupy.cuda.nvtx.RangePush, cupy.cuda.nvtx.RangePop)
 
@@ -240,10 +240,14 @@ class CudaBackend(NcclCollectives, Backend):
         return flat
 
     def unpack(self, flat, buffer: Buffer):
-        """Views of the flat buffer, members of at most 1 KB copied out (so a kept loss does not keep its pack);
-        for an output of `execute`, the views it made last step (backends/cuda/results.py)."""
+        """The member of a pack of one is a view of the flat; the members of a pack of several are arrays of their
+        own filled by one unpack kernel, so that a kept member does not keep the whole pack allocated. For an
+        output of `execute`, the arrays of last step that nothing holds (backends/cuda/results.py)."""
         with self._on(flat.data.device_id):
-            return self._outputs.members(flat, buffer)
+            members = self._outputs.members(flat, buffer, cupy.empty)
+            if len(buffer.members) > 1:
+                self._kernels.move(flat, members, pack=False)
+        return members
 
     @staticmethod
     def _members(api: str, arrays: Sequence[Any], ordinal: int) -> Sequence[cupy.ndarray]:

@@ -37,7 +37,8 @@ class NcclCollectives:
     def execute(self, plan, per_device, devices, *, timeout=None):
         """A whole NATIVE or NCCL plan over distinct GPUs as one NCCL group: every buffer packed (one kernel per
         buffer and device), every chunk of every buffer in one group call, one watchdog entry, members unpacked
-        as views. Ring and hierarchical plans, and replicas sharing a GPU, go pack by pack."""
+        by one kernel per buffer and device. Ring and hierarchical plans, and replicas sharing a GPU, go pack by
+        pack."""
         ordinals = [self._ordinal(d) for d in devices]
         distinct = len(set(ordinals))
         if plan.method in (RING, HIERARCHICAL) or 1 < distinct < len(ordinals):

@@ -7,9 +7,9 @@ memory, any of its views or their memory pointers is left from the previous step
 the views were made, say so exactly, as the CPU emulator's buffer pool does. A caller that keeps a result gets
 fresh buffers next time; nothing it holds is ever overwritten.
 
-As on the CPU emulator, members of at most SMALL_MEMBER_BYTES of a pack of at least MIN_PACK_BYTES are handed out
-as copies (losses, metrics, counts), so a kept small result holds only itself, not its whole pack, and leaves the
-pack reusable; larger members are views of the flat.
+As on the CPU emulator, a kept result keeps only itself alive: the member of a pack of one is a view of the whole
+flat, and the members of a pack of several are arrays of their own, which the unpack kernel fills from the flat;
+those are reused too, each while nobody holds it, so the flat is always free again after its step.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import sys
 import threading
 from typing import Any, Callable
 
-from distrib.backends.cpu import SMALL_MEMBER_BYTES, BufferPool
 from distrib.plan import Buffer
 
-MIN_PACK_BYTES = BufferPool.MIN_BYTES  # a smaller pack pinned by a kept member costs little: nothing is copied
+Empty = Callable[[Any, Any], Any]  # (shape, dtype) -> a new array on the current device
 MAX_ENTRIES = 512  # (buffer, replica) pairs remembered; plans beyond that are rare and just allocate
 
 
@@ -30,20 +29,27 @@ def member_views(flat: Any, buffer: Buffer) -> list:
     return [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
 
 
-def copied_members(buffer: Buffer, itemsize: int) -> list[int]:
-    """Which members are handed out as copies: those of at most SMALL_MEMBER_BYTES, in a pack of several members
-    and at least MIN_PACK_BYTES (keeping one then does not keep the whole flat)."""
-    if len(buffer.members) < 2 or buffer.size * itemsize < MIN_PACK_BYTES:
-        return []
-    return [k for k, member in enumerate(buffer.members) if member.size * itemsize <= SMALL_MEMBER_BYTES]
+def _counts(array: Any) -> tuple:
+    """The reference counts of an array, its memory pointer and its memory (a DLPack consumer holds the pointer)."""
+    return sys.getrefcount(array), sys.getrefcount(array.data), sys.getrefcount(array.data.mem)
 
 
-def hand_out(views: list, copied: list[int]) -> list:
-    """`views` with the members at positions `copied` copied, on the current device and stream."""
-    members = list(views)
-    for k in copied:
-        members[k] = members[k].copy()
-    return members
+class Copies:
+    """The arrays of their own that the members of a pack of several are unpacked into, each reused while idle."""
+
+    def __init__(self, buffer: Buffer):
+        self.buffer = buffer
+        self.arrays: list[Any] = [None] * len(buffer.members)
+        self._idle: list[tuple | None] = [None] * len(buffer.members)
+
+    def take(self, dtype: Any, empty: Empty) -> list:
+        """One array per member: last time's where nobody holds it any more, else a new one from `empty`."""
+        arrays, idle = self.arrays, self._idle
+        for k in range(len(arrays)):  # counted with no loop variable holding the array, as when settled
+            if arrays[k] is None or _counts(arrays[k]) != idle[k]:
+                arrays[k] = empty(self.buffer.members[k].shape, dtype)
+                idle[k] = _counts(arrays[k])
+        return list(arrays)
 
 
 class Output:
@@ -51,8 +57,8 @@ class Output:
 
     def __init__(self, buffer: Buffer, flat: Any):
         self.buffer, self.flat = buffer, flat
-        self.views = member_views(flat, buffer)
-        self.copied = copied_members(buffer, flat.itemsize)
+        self.views = member_views(flat, buffer) if len(buffer.members) == 1 else []
+        self.copies = Copies(buffer) if len(buffer.members) > 1 else None
         self._idle: tuple | None = None
 
     def settle(self) -> None:
@@ -94,12 +100,14 @@ class Outputs:
             self._by_flat[id(entry.flat)] = entry
             return entry.flat
 
-    def members(self, flat: Any, buffer: Buffer) -> list:
-        """`flat`'s members for the caller (see `hand_out`): of the kept views if `flat` came from `take`."""
+    def members(self, flat: Any, buffer: Buffer, empty: Empty) -> list:
+        """`flat`'s members for the caller: the view of a pack of one, else arrays of their own (from `empty`,
+        on the current device) for the unpack kernel to fill; those of last step if `flat` came from `take`."""
         entry = self._by_flat.get(id(flat))
-        if entry is not None and entry.flat is flat and entry.buffer is buffer:
-            return hand_out(entry.views, entry.copied)
-        return hand_out(member_views(flat, buffer), copied_members(buffer, flat.itemsize))
+        if entry is None or entry.flat is not flat or entry.buffer is not buffer:
+            return member_views(flat, buffer) if len(buffer.members) == 1 else \
+                [empty(member.shape, flat.dtype) for member in buffer.members]
+        return list(entry.views) if entry.copies is None else entry.copies.take(flat.dtype, empty)
 
     def clear(self) -> None:
         with self._lock:
