@@ -146,6 +146,19 @@ def test_run_from_a_helper_thread_that_the_replica_joins_is_refused_at_once(stra
     assert sum_of_ones(strategy) == [4.0] * 4
 
 
+def test_run_from_a_helper_thread_that_a_merge_fn_joins_is_refused_at_once(strategy):
+    errors = []
+
+    def merge_fn(_):
+        helper = threading.Thread(target=run_in_helper, args=(strategy, errors), name="helper")
+        helper.start()
+        helper.join()
+
+    strategy.run(lambda: distrib.get_replica_context().merge_call(merge_fn))
+    assert len(errors) == 1 and "waits in Thread.join for 'helper'" in str(errors[0])
+    assert sum_of_ones(strategy) == [4.0] * 4
+
+
 def test_run_from_a_thread_pool_whose_result_the_replica_waits_for_is_refused_at_once(strategy):
     errors = []
 
