@@ -33,7 +33,7 @@ def job(tmp_path_factory):
     assert done.returncode == 0, done.stdout + done.stderr
     tables = dict(zip(NAMES, ("# distrib bench " + part for part in done.stdout.split("# distrib bench ")[1:])))
     assert "distrib bench: error: under mpirun, broadcast's root must be one of rank 0's 2 devices" in done.stderr
-    return tables, {name: json.loads((folder / f"{name}.json").read_text()) for name in NAMES}
+    return tables, {name: json.loads((folder / f"{name}.json").read_text()) for name in NAMES + ("corrupted",)}
 
 
 def test_rank_0_alone_prints_one_table_per_collective_listing_every_rank(job):
@@ -79,3 +79,11 @@ def test_every_rank_checked_and_bus_bandwidth_over_4_ranks(job, name):
                                                    "reduce_scatter": 0.75}.get(name, 1.0))
     if name == "reduce":
         assert (document["rows"][0]["root"], document["rows"][0]["redop"]) == (3, "avg")  # rank 3: on process 1
+
+
+def test_a_wrong_element_on_rank_1_is_counted_in_rank_0s_table(job):
+    tables, documents = job
+    document = documents["corrupted"]
+    [row] = document["rows"]
+    assert [row["results"][name]["wrong"] for name in document["series"]] == [0, 3, 3]
+    assert document["wrong"] == 6

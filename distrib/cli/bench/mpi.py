@@ -70,7 +70,7 @@ class MpiSeries:
             return [array, kind] if kind is not None else [array.view(np.uint8), MPI.BYTE]
 
         def local_sum(out):  # this process's devices summed in order; one device sends its input as it is
-            if here == 1 and not self.in_place:
+            if here == 1:
                 return ins[0]
             return sum_in_order(out, ins)
 
