@@ -304,7 +304,7 @@ class StrategyExtended(abc.ABC):
         kwargs = kwargs or {}
         results = []
         # fn sees this strategy, cross-replica, as in TensorFlow; Ctrl-C lands before or after all copies
-        with self._container_strategy.scope(), deferred_interrupts():
+        with self._container_strategy._enter_scope(), deferred_interrupts():
             for i, component in enumerate(components):
                 with update_context(i), self._backend.device_scope(component.device):
                     results.append(fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs)))

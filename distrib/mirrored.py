@@ -214,8 +214,7 @@ class MirroredExtended(StrategyExtended):
             for i in waiting:
                 threads[i].go.release()
         try:
-            with run.finished:
-                run.finished.wait_for(lambda: all(run.left), timeout=patience)
+            run.wait_until_all_left(patience)
         finally:
             with deferred_interrupts():
                 self._replace_late(run, threads)

@@ -38,9 +38,11 @@ class Run:
         count = len(contexts)
         self.strategy, self.contexts, self.fn, self.args, self.kwargs = strategy, contexts, fn, args, kwargs
         self.default_timeout, self.deadline = default_timeout, deadline
-        self.lock = threading.Lock()
-        self.finished = threading.Condition(self.lock)
+        self.lock = _thread.allocate_lock()
         self.phase_done = _thread.allocate_lock()
+        self.all_left = _thread.allocate_lock()  # released by the last replica thread to leave the run
+        self.all_left.acquire()
+        self.present = count  # replica threads not yet finished with this run
         self.status = [RUNNING] * count
         self.requests: list[Any] = [None] * count
         self.results: list[Any] = [None] * count
@@ -87,10 +89,35 @@ class Run:
                 self.status[replica_id] = FAILED
             self._wake()
 
+    def finish(self, replica_id: int, result: Any) -> None:
+        """A replica returned `result` and its thread is finished with the run: `report(DONE)` and `leave`."""
+        with self.lock:
+            if not self.stopped:
+                self.results[replica_id] = result
+                self.status[replica_id] = DONE
+                self.pending -= 1
+                if self.pending == 0:
+                    self._wake()
+            self._leave(replica_id)
+
     def leave(self, replica_id: int) -> None:
-        with self.finished:
+        """The replica's thread is finished with the run (returned, failed or stopped)."""
+        with self.lock:
+            self._leave(replica_id)
+
+    def _leave(self, replica_id: int) -> None:
+        if not self.left[replica_id]:
             self.left[replica_id] = True
-            self.finished.notify_all()
+            self.present -= 1
+            if self.present == 0:
+                self.all_left.release()
+
+    def wait_until_all_left(self, timeout: float) -> bool:
+        """Whether every replica thread left the run within `timeout` seconds."""
+        if self.all_left.acquire(timeout=max(timeout, 0)):
+            self.all_left.release()  # stays open for any later wait
+            return True
+        return False
 
     def drop_references(self) -> None:
         """Forgets the error, the inputs and the results, so that a kept traceback does not keep them alive."""
@@ -144,14 +171,15 @@ class ReplicaThread:
         try:
             with context.frame(run.strategy, run.contexts[i]), timeline.span("run", "run"):
                 result = run.fn(*run.args[i], **run.kwargs[i])
-            run.results[i] = result
-            run.report(i, DONE)
         except RequestedStop:
-            pass
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller of run, which re-raises it
-            run.fail(i, exc)
-        finally:
             run.leave(i)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of run, which re-raises it
+            try:
+                run.fail(i, exc)
+            finally:
+                run.leave(i)
+        else:
+            run.finish(i, result)
 
     def rendezvous(self, run: Run, request: tuple) -> Any:
         """Called on this thread by a collective: wait for the merge, return this replica's result."""

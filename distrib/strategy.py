@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -58,18 +58,15 @@ class Strategy:
         """
         return _Scope(self)
 
-    @contextlib.contextmanager
-    def _enter_scope(self) -> Iterator["Strategy"]:
+    def _enter_scope(self) -> context.frame:
+        """The frame that `scope()` pushes: this strategy, keeping the replica context if it is already current."""
         top = context.current()
         if top.strategy is self:
-            with context.frame(self, top.replica_context):
-                yield self
-            return
+            return context.frame(self, top.replica_context)
         if not context.is_default(top.strategy):
             raise ContextError(f"Mixing different distrib strategies is not allowed: {self!r} was entered inside "
                              f"{top.strategy!r}.")
-        with context.frame(self, None):
-            yield self
+        return context.frame(self, None)
 
     # -- running replicas -------------------------------------------------------------------------------
 
@@ -95,7 +92,7 @@ class Strategy:
         if top.strategy is self and top.replica_context is not None and not context.is_default(self):
             raise ContextError("Strategy.run cannot be called inside a replica function of the same strategy "
                                "(nested run). Call it from the cross-replica context.")
-        with self.scope():
+        with self._enter_scope():
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), options)
 
     def close(self) -> None:
@@ -258,9 +255,9 @@ class _Scope:
 
     def __enter__(self) -> Strategy:
         entry = self._strategy._enter_scope()
-        result = entry.__enter__()
+        entry.__enter__()
         self._entered.__dict__.setdefault("stack", []).append(entry)
-        return result
+        return self._strategy
 
     def __exit__(self, *exc_info) -> bool | None:
         return self._entered.stack.pop().__exit__(*exc_info)

@@ -140,6 +140,8 @@ def select_replicas(structure: Any, count: int) -> list[Any]:
 
     Raises ValueError when a distributed leaf has not exactly `count` components.
     """
+    if structure is None or (type(structure) in (tuple, dict) and not structure):  # no args; a merge_fn's None
+        return [structure] * count
     return _select(structure, range(count), count, exact=True)
 
 
@@ -190,7 +192,11 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     Raises:
       ValueError: the replicas' structures differ; the message names the replica and the path.
     """
-    first_leaves, spec = flatten(per_replica[0])
+    first = per_replica[0]
+    if (first is None or (type(first) in (tuple, dict) and not first)) and \
+            all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine: None, (), {}
+        return {} if type(first) is dict else first
+    first_leaves, spec = flatten(first)
     columns = [first_leaves]
     for replica_id, structure in enumerate(per_replica[1:], start=1):
         leaves, other_spec = flatten(structure)

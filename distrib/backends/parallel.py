@@ -10,10 +10,9 @@ would be, so results do not depend on how many threads share the work.
 from __future__ import annotations
 
 import abc
-import contextlib
 import os
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 # Below this many bytes per share, waking one more thread costs more than the share of the work it takes.
 MIN_SHARE_BYTES = 1 << 18
@@ -35,15 +34,27 @@ class Team(abc.ABC):
         """
 
 
-@contextlib.contextmanager
-def lend(team: Team | None) -> Iterator[None]:
-    """Makes `team` the calling thread's helpers for the block (None: none), restoring the previous after."""
-    previous = getattr(_lent, "team", None)
-    _lent.team = team
-    try:
-        yield
-    finally:
-        _lent.team = previous
+class lend:
+    """Makes `team` the calling thread's helpers for the block (None: none), restoring the previous after.
+
+    Args:
+      team: the helpers, or None.
+    """
+
+    __slots__ = ("_team", "_previous")
+
+    def __init__(self, team: Team | None):
+        self._team = team
+
+    def __enter__(self) -> None:
+        self._previous = getattr(_lent, "team", None)
+        _lent.team = self._team
+
+    def __exit__(self, *exc_info) -> None:
+        _lent.team = self._previous
+
+    def __repr__(self) -> str:
+        return f"<lend {self._team!r}>"
 
 
 def usable_cores() -> int:
