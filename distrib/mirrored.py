@@ -32,7 +32,7 @@ from distrib.options import CommunicationOptions, RunOptions, default_timeout
 from distrib.replica_context import ReplicaContext
 from distrib.replica_team import ReplicaTeam
 from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, executing_worker,
-                                     retire_all)
+                                     retire_all, wake_all)
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
 from distrib.values import regroup, select_replicas
@@ -135,7 +135,7 @@ class MirroredExtended(StrategyExtended):
             with deferred_interrupts():  # every thread starts, or (interrupted before) none
                 for worker in threads:
                     worker.run = run
-                    worker.go.release()
+                wake_all(threads)
             while True:
                 self._wait_for_phase(run, threads)
                 if run.error is not None:
@@ -148,8 +148,7 @@ class MirroredExtended(StrategyExtended):
                 with deferred_interrupts():  # every waiting replica resumes, or none does
                     run.merge_results = merged
                     run.begin_phase()
-                    for worker in threads:
-                        worker.go.release()
+                    wake_all(threads)
             return regroup(run.results)
         except BaseException as exc:
             self._stop(run, threads, _patience(run, exc))

@@ -143,6 +143,7 @@ class ReplicaThread:
         self.run: Run | None = None  # the run to start when `go` is released
         self.current: Run | None = None  # the run this thread is inside
         self.task: Callable[[], None] | None = None  # a share of the merge's work, handed over by a ReplicaTeam
+        self.wake_next: ReplicaThread | None = None  # woken by this thread as soon as it wakes (see `wake_all`)
         self.retired = False
         self.thread = threading.Thread(target=self._main, args=(device, backend), daemon=True,
                                        name=f"distrib-replica-{replica_id}")
@@ -156,6 +157,7 @@ class ReplicaThread:
         backend.activate(device)
         while True:
             self.go.acquire()
+            self._pass_on()
             run = self.run
             if run is None or self.retired:
                 return
@@ -189,23 +191,35 @@ class ReplicaThread:
         with timeline.span(request[0], "merge_call"):
             if not run.report(i, WAITING):
                 raise RequestedStop()
-            self.go.acquire()
-            while self.task is not None:  # lent to the merge: run a share of its work, then wait again
-                task, self.task = self.task, None
-                task()
+            while True:  # woken to resume, or lent to the merge: then runs a share of its work and waits again
                 self.go.acquire()
+                self._pass_on()
+                task, self.task = self.task, None
+                if task is None:
+                    break
+                task()
         if run.stopped:
             raise RequestedStop()
         return run.merge_results[i]
+
+    def _pass_on(self) -> None:
+        following, self.wake_next = self.wake_next, None
+        if following is not None:
+            following.wake()
+
+    def wake(self) -> None:
+        """Releases `go`: starts a run, resumes after a merge, or hands over a task."""
+        try:
+            self.go.release()
+        except RuntimeError:  # already released (by `retire`, or a stopped run) and not yet taken: it wakes anyway
+            pass
 
     def retire(self) -> None:
         """Ends the thread once it is back from whatever it is doing; it takes no further run."""
         self.run = None
         self.retired = True
-        try:
-            self.go.release()  # wakes it if it waits for a run
-        except RuntimeError:  # already released and not yet taken: it will see `retired`
-            pass
+        self.wake_next = None  # a retired thread starts no phase of a later run
+        self.wake()  # if it waits for a run; else it sees `retired` once back
 
     def stack(self) -> str:
         """Where the thread is now: its innermost Python frames, or a note that it has ended.
@@ -225,6 +239,19 @@ class ReplicaThread:
                 lines = [line for line in block.splitlines()[1:] if line.strip()]
                 return "".join(f"  {line.strip()}\n" for line in lines[:_STACK_FRAMES])
         return "    (no stack available)\n"
+
+
+def wake_all(threads: Sequence[ReplicaThread]) -> None:
+    """Starts a phase on every thread of `threads`: wakes the first, and each wakes the next once it is awake.
+
+    Woken all at once, the threads would find the GIL held by the one that woke first and go back to sleep
+    waiting for it, two sleeps per thread per phase; woken in turn, each thread's wake-up overlaps the Python
+    its predecessor runs, and it mostly finds the GIL free.
+    """
+    for worker, following in zip(threads, threads[1:]):
+        worker.wake_next = following
+    threads[-1].wake_next = None
+    threads[0].go.release()
 
 
 def executing_worker() -> ReplicaThread | None:
