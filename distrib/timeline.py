@@ -155,6 +155,10 @@ class span:
 
     __slots__ = ("name", "category", "tracks", "start")
 
+    def __new__(cls, name: str, category: str, tracks: tuple[str, ...] | None = None):
+        # while nothing records, one shared do-nothing block: replica threads pass through several spans per step
+        return _OFF if recording is None else object.__new__(cls)
+
     def __init__(self, name: str, category: str, tracks: tuple[str, ...] | None = None):
         self.name, self.category, self.tracks = name, category, tracks
 
@@ -175,6 +179,24 @@ class span:
 
     def __repr__(self) -> str:
         return f"<span {self.name!r} category={self.category!r}>"
+
+
+class _Off:
+    """What `span(...)` is while no timeline records: a block that records nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> "_Off":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "<span (no timeline recording)>"
+
+
+_OFF = _Off()
 
 
 def timed(method: Callable, name: str, category: str) -> Callable:
