@@ -14,15 +14,16 @@ replica thread that does not come back is retired and replaced, so the strategy 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from distrib import context, timeline
 from distrib.backends import Backend, cuda_problem, detect, get_backend
-from distrib.backends.parallel import lend
+from distrib.backends.parallel import lend, lent_team
 from distrib.cross_device_ops import CrossDeviceOps, default_cross_device_ops
 from distrib.devices import canonical_name, parse_device
 from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
@@ -229,6 +230,28 @@ class MirroredExtended(StrategyExtended):
             self._closed = True
             retire_all(threads)
             raise
+
+    def _batch_reduce_to(self, op, pairs, options):
+        with self._idle_threads_lent():
+            return super()._batch_reduce_to(op, pairs, options)
+
+    def _reduce_to_host(self, op, value, axis):
+        with self._idle_threads_lent():
+            return super()._reduce_to_host(op, value, axis)
+
+    @contextlib.contextmanager
+    def _idle_threads_lent(self) -> Iterator[None]:
+        """Lends the replica threads to a reduction called outside a run, when they are idle, so that its sums
+        are split as a merge's are; inside a merge the merge's own team is already lent."""
+        if lent_team() is not None or self._pid != os.getpid() or not self._threads or \
+                not self._run_lock.acquire(blocking=False):
+            yield
+            return
+        try:
+            with lend(ReplicaTeam(self._threads)):
+                yield
+        finally:
+            self._run_lock.release()
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):
         worker = executing_worker()

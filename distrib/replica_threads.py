@@ -158,6 +158,10 @@ class ReplicaThread:
         while True:
             self.go.acquire()
             self._pass_on()
+            task, self.task = self.task, None
+            if task is not None:  # idle between runs, lent to a reduction on the calling thread
+                task()
+                continue
             run = self.run
             if run is None or self.retired:
                 return

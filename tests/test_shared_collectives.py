@@ -151,3 +151,32 @@ def test_a_shared_batched_all_reduce_packs_and_sums_bit_for_bit(strategy):
     for arrays in strategy.experimental_local_results(result):
         for array, column in zip(arrays, columns):
             np.testing.assert_array_equal(array, in_device_order(column), strict=True)
+
+
+@needs_two_cores
+def test_a_reduction_outside_a_run_shares_its_sums_with_the_idle_replica_threads(strategy):
+    strategy.run(lambda: None)  # the replica threads exist and wait for the next run
+    ran_on = set()
+    lock = threading.Lock()
+
+    def body(lo, hi):
+        with lock:
+            ran_on.add(threading.current_thread().name)
+
+    with strategy.extended._idle_threads_lent():
+        run_shares(LARGE, 4, body)
+    assert threading.current_thread().name in ran_on
+    assert any(name.startswith("distrib-replica-") for name in ran_on)
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_reductions_outside_a_run_are_bit_for_bit_the_in_order_sum(strategy, op):
+    values = replica_values(strategy, np.float64)
+    expected = in_device_order(strategy.experimental_local_results(values))
+    if op == "MEAN":
+        expected = np.true_divide(expected, np.float64(4))
+    np.testing.assert_array_equal(strategy.reduce(op, values, axis=None), expected, strict=True)
+    for array in strategy.extended.reduce_to(op, values, values).values:
+        np.testing.assert_array_equal(array, expected, strict=True)
+    result = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1)))
+    assert [float(x) for x in strategy.experimental_local_results(result)] == [4.0] * 4  # the threads came back

@@ -57,6 +57,11 @@ class lend:
         return f"<lend {self._team!r}>"
 
 
+def lent_team() -> Team | None:
+    """The team lent to the calling thread, if any."""
+    return getattr(_lent, "team", None)
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity where the OS has one)."""
     try:
@@ -84,7 +89,7 @@ def shares(length: int, itemsize: int, parts: int) -> list[tuple[int, int]]:
 
 def run_split(jobs: Sequence[Callable[[], None]], nbytes: int) -> None:
     """Runs independent `jobs` that move `nbytes` in all, spread over the lent team's threads if any."""
-    team = getattr(_lent, "team", None)
+    team = lent_team()
     parts = 1 if team is None else max(1, min(team.size, usable_cores(), len(jobs), nbytes // MIN_SHARE_BYTES))
     if parts == 1:
         _run_all(jobs)
@@ -99,7 +104,7 @@ def _run_all(jobs: Sequence[Callable[[], None]]) -> None:
 
 def run_shares(length: int, itemsize: int, body: Callable[[int, int], None]) -> None:
     """Calls `body(start, stop)` over ranges covering `length` elements, on the lent team's threads if any."""
-    team = getattr(_lent, "team", None)
+    team = lent_team()
     ranges = shares(length, itemsize, min(team.size, usable_cores())) if team is not None else [(0, length)]
     if len(ranges) <= 1:
         body(0, length)
