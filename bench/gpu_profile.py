@@ -1,12 +1,15 @@
 """Where the host time goes on the CUDA path: cProfile of `distrib train` and of a batched all_reduce step (needs a GPU).
 
-    python3 bench/gpu_profile.py [--out DIR] [--epochs 5] [--steps 200]
+    python3 bench/gpu_profile.py [--out DIR] [--epochs 20] [--steps 200]
 
 Two workloads, each first timed without the profiler, then profiled after a warm-up (kernels compiled):
 `distrib train` on GPU:0 (1 replica), and `strategy.run` of one `all_reduce` of 200 x 1,000 float32 on 4 replicas
 sharing GPU:0, synchronised per step. Writes `<workload>.prof` (pstats) and `<workload>.txt` (the 40 functions
 with the most own time, then the 40 with the most cumulative time) to DIR. Host synchronisations show up as calls
-of `get`, `synchronize` and `wait` in the tables. Without a GPU it says what is missing and exits with status 2.
+of `get`, `synchronize` and `wait` in the tables; and one more epoch of `distrib train` runs with CuPy's
+synchronisation detector (`cupyx.allow_synchronize(False)`) around every `strategy.run` and `reduce_to`, inside the
+replicas too, printing where the first synchronisation inside a step happens, if any. Without a GPU it says what is
+missing and exits with status 2.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ def report(profile: cProfile.Profile, out: Path, name: str, headline: str) -> No
 
 
 def profile_train(out: Path, epochs: int) -> None:
+    from distrib.cli import train as train_module
     from distrib.cli.train import build_parser, make_strategy, train
+
+    train_module.plot_history = lambda history, path: None  # the loss curve's matplotlib would fill the profile
 
     with tempfile.TemporaryDirectory() as tmp:
         def run(run_epochs: int, profile: cProfile.Profile | None = None):
@@ -57,8 +63,44 @@ def profile_train(out: Path, epochs: int) -> None:
         plain = run(epochs)
         profile = cProfile.Profile()
         profiled = run(epochs, profile)
+        probe_synchronisations(lambda: run(1))
     report(profile, out, "train", f"distrib train, 1 replica on GPU:0, {epochs} epochs: {plain.samples_per_second:,.0f} "
                                   f"samples/s without the profiler, {profiled.samples_per_second:,.0f} with it")
+
+
+def probe_synchronisations(train_once) -> None:
+    """Runs `train_once()` with CuPy's synchronisation detector on inside every step; prints what it finds."""
+    import traceback
+    import warnings
+
+    import cupyx
+
+    from distrib.extended import StrategyExtended
+    from distrib.strategy import Strategy
+
+    def guarded(function):
+        def call(*args, **kwargs):
+            with cupyx.allow_synchronize(False):
+                return function(*args, **kwargs)
+        return call
+
+    run, reduce_to = Strategy.run, StrategyExtended.reduce_to
+
+    def run_guarded(self, fn, args=(), kwargs=None, options=None):
+        return guarded(run)(self, guarded(fn), args, kwargs, options)
+
+    Strategy.run, StrategyExtended.reduce_to = run_guarded, guarded(reduce_to)
+    try:
+        with warnings.catch_warnings():  # the detector warns, at every use, that it will be removed
+            warnings.filterwarnings("ignore", message="cupyx.allow_synchronize")
+            train_once()
+        print("synchronisation probe: no host synchronisation inside strategy.run or reduce_to in an epoch of "
+              "distrib train (CuPy's detector sees CuPy's own synchronisations only)")
+    except Exception:  # noqa: BLE001 - the probe reports whatever stopped the epoch
+        print("synchronisation probe: an epoch of distrib train stopped inside a step:")
+        traceback.print_exc(file=sys.stdout)
+    finally:
+        Strategy.run, StrategyExtended.reduce_to = run, reduce_to
 
 
 def profile_batched_all_reduce(out: Path, steps: int) -> None:
@@ -97,7 +139,7 @@ def profile_batched_all_reduce(out: Path, steps: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results/gpu-profile"))
-    parser.add_argument("--epochs", type=int, default=5, help="epochs of distrib train profiled (default 5)")
+    parser.add_argument("--epochs", type=int, default=20, help="epochs of distrib train profiled (default 20)")
     parser.add_argument("--steps", type=int, default=200, help="batched all_reduce steps profiled (default 200)")
     args = parser.parse_args(argv)
     from distrib.backends import cuda_problem
