@@ -70,7 +70,7 @@ class NcclCollectives:
                     return cupy.empty(buffer.size, dtype)
             return empty
 
-        return [self._outputs.take(buffer, k, allocate(ordinal)) for k, ordinal in enumerate(ordinals)]
+        return [self._outputs.take(buffer, k, ordinal, allocate(ordinal)) for k, ordinal in enumerate(ordinals)]
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         ordinals = self._flats_on("all_reduce", flats, devices)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from distrib.plan import Buffer
 
 Empty = Callable[[Any, Any], Any]  # (shape, dtype) -> a new array on the current device
-MAX_ENTRIES = 512  # (buffer, replica) pairs remembered; plans beyond that are rare and just allocate
+MAX_ENTRIES = 512  # (buffer, replica, GPU) outputs remembered; plans beyond that are rare and just allocate
 
 
 def member_views(flat: Any, buffer: Buffer) -> list:
@@ -75,16 +75,17 @@ class Output:
 
 
 class Outputs:
-    """Output flats per (buffer, replica position), reused while idle (see the module docstring). Thread-safe."""
+    """Output flats per (buffer, replica position, GPU), reused while idle (see the module docstring). Thread-safe."""
 
     def __init__(self):
-        self._entries: dict[tuple[int, int], Output] = {}
+        self._entries: dict[tuple[int, int, int], Output] = {}
         self._by_flat: dict[int, Output] = {}
         self._lock = threading.Lock()
 
-    def take(self, buffer: Buffer, position: int, allocate: Callable[[], Any]) -> Any:
-        """The output flat for replica `position` of `buffer`: last step's if idle, else `allocate()`'s."""
-        key = (id(buffer), position)
+    def take(self, buffer: Buffer, position: int, ordinal: int, allocate: Callable[[], Any]) -> Any:
+        """The output flat for replica `position` (on GPU `ordinal`) of `buffer`: last step's if idle, else
+        `allocate()`'s. A plan shared by strategies on other devices gets outputs of its own per device."""
+        key = (id(buffer), position, ordinal)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.buffer is buffer and entry.idle():

@@ -28,7 +28,7 @@ def host_empty(shape, dtype):
 
 def step(outputs, position=0, buffer=BUFFER):
     """What execute and unpack do for one replica: take the output flat, then hand out its members."""
-    flat = outputs.take(buffer, position, lambda: host_backed(buffer.size))
+    flat = outputs.take(buffer, position, 0, lambda: host_backed(buffer.size))
     return outputs.members(flat, buffer, host_empty)
 
 
@@ -44,7 +44,7 @@ def test_an_output_nobody_holds_is_handed_out_again_with_the_same_arrays():
 
 def test_members_of_a_pack_of_several_are_arrays_of_their_own():
     outputs = results.Outputs()
-    flat = outputs.take(BUFFER, 0, lambda: host_backed(BUFFER.size))
+    flat = outputs.take(BUFFER, 0, 0, lambda: host_backed(BUFFER.size))
     members = outputs.members(flat, BUFFER, host_empty)
     assert all(m.data.mem is not flat.data.mem for m in members)  # a kept one keeps only itself alive
     single = plan_concat_split([((10, 100), np.float32)], 1).buffers[0]
@@ -69,12 +69,13 @@ def test_a_kept_result_is_never_handed_out_again(keep):
     assert [id(m) for m in step(outputs)] == settled  # reused again once nothing is kept
 
 
-def test_each_replica_and_each_buffer_has_its_own_output():
+def test_each_replica_buffer_and_gpu_has_its_own_output():
     outputs = results.Outputs()
     other = plan_concat_split([((300,), np.float32)] * 2, 1).buffers[0]
-    flats = [outputs.take(BUFFER, k, lambda: host_backed(BUFFER.size)) for k in range(4)]
-    flats.append(outputs.take(other, 0, lambda: host_backed(other.size)))
-    assert len({f.data.mem.ptr for f in flats}) == 5
+    flats = [outputs.take(BUFFER, k, 0, lambda: host_backed(BUFFER.size)) for k in range(4)]
+    flats.append(outputs.take(other, 0, 0, lambda: host_backed(other.size)))
+    flats.append(outputs.take(BUFFER, 0, 1, lambda: host_backed(BUFFER.size)))  # the plan on another GPU
+    assert len({f.data.mem.ptr for f in flats}) == 6
 
 
 def test_a_flat_from_elsewhere_is_unpacked_into_new_arrays():
