@@ -21,7 +21,7 @@ from distrib.interrupts import deferred_interrupts
 from distrib.options import CommunicationOptions, ReduceOp, RunOptions
 from distrib.replica_context import normalize_axes, reducible
 from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_scalar, local_components, regroup,
-                            select_replica)
+                            register_leaf_type, select_replica)
 from distrib.variables import (DistributedVariable, MirroredVariable, Variable, VariableAggregation,
                                VariableSynchronization, create_distributed_variable, update_context)
 
@@ -48,6 +48,7 @@ class StrategyExtended(abc.ABC):
                  cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions):
         self._container_strategy = container_strategy
         self._backend = backend
+        register_leaf_type(backend.xp.ndarray)  # flatten's and regroup's fast paths: 4x faster for 200 CuPy arrays
         self._devices = tuple(devices)
         self._cross_device_ops = cross_device_ops
         self._options = communication_options
