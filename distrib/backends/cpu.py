@@ -12,7 +12,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from distrib import timeline
 from distrib.backends.base import Backend
+from distrib.backends.member_copies import MemberCopies
 from distrib.backends.packed import execute_pack_by_pack
 from distrib.backends.parallel import MIN_SHARE_BYTES, run_shares, run_split
 from distrib.backends.torch_tensors import exportable, is_torch_tensor, torch_device
@@ -167,6 +169,7 @@ class CpuBackend(Backend):
             raise ValueError(f"The CPU emulator needs at least 1 replica. Received: {num_default_replicas}.")
         self._num_default = num_default_replicas
         self._pool = BufferPool()
+        self._member_copies = MemberCopies()
 
     @property
     def xp(self):
@@ -236,18 +239,16 @@ class CpuBackend(Backend):
 
     def unpack_all(self, flats, buffer: Buffer):
         """Read-only flats that are one buffer (a collective's result, shared by the emulated devices) are
-        unpacked once; each device gets its own views of those members."""
-        unpacked: dict[int, list] = {}  # the address of a read-only flat -> its members
-        out = []
-        for flat in flats:
-            key = None if flat.flags.writeable else flat.__array_interface__["data"][0]
-            if key in unpacked:
-                out.append([member.view() for member in unpacked[key]])
-            else:
-                out.append(self.unpack(flat, buffer))
-                if key is not None:
-                    unpacked[key] = out[-1]
-        return out
+        unpacked once, into copies reused while nobody holds them (backends/member_copies.py); each device gets
+        its own read-only views of those copies."""
+        first = flats[0]
+        address = first.__array_interface__["data"][0]
+        if len(buffer.members) == 1 or first.flags.writeable or \
+                any(flat.__array_interface__["data"][0] != address for flat in flats[1:]):
+            return [self.unpack(flat, buffer) for flat in flats]
+        with timeline.span("unpack", "pack"):
+            return self._member_copies.unpack(first, buffer, len(flats), run_split,
+                                              on_threads=first.nbytes >= len(buffer.members) * SMALL_COPY_BYTES)
 
     def execute(self, plan, per_device, devices, *, timeout=None):
         if plan.method == NCCL:  # as TensorFlow fails at collective time on a machine without GPUs

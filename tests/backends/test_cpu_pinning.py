@@ -74,3 +74,25 @@ def test_replicas_share_one_read_only_copy_of_each_member():
     assert np.shares_memory(first, second)  # the emulated devices share host memory: one copy, not two
     assert not first.flags.writeable and not second.flags.writeable
     np.testing.assert_array_equal(first, np.full(GRADIENT, 3, np.float32))
+
+
+@pytest.mark.parametrize("keep", [
+    lambda member: member,
+    lambda member: member[10:20],  # a view of it
+    lambda member: member.reshape(8, -1).T,  # a transposed view
+    lambda member: member.base,  # the copy it views
+], ids=["member", "slice", "transpose", "base"])
+def test_later_steps_never_overwrite_a_kept_result(keep):
+    values = [np.zeros(1_000, np.float32) for _ in range(200)]
+
+    def step(s):
+        ctx = distrib.get_replica_context()
+        return ctx.all_reduce("SUM", [value + np.float32(s) for value in values])
+
+    with distrib.MirroredStrategy(DEVICES) as strategy:
+        first = strategy.experimental_local_results(strategy.run(step, args=(1,)))
+        kept = keep(first[3][7])
+        del first
+        later = [strategy.experimental_local_results(strategy.run(step, args=(s,)))[0][7] for s in range(2, 6)]
+    assert (np.asarray(kept) == 4).all()  # step 1's sum, whatever later steps wrote
+    assert [float(x[0]) for x in later] == [8.0, 12.0, 16.0, 20.0]
