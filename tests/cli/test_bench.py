@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -186,3 +187,19 @@ def test_o_all_on_one_type_and_what_cannot_run_at_all(capsys):
         cli.main(["bench", "reduce_scatter", "-d", "all", "-o", "avg"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("distrib bench: error: nothing to measure: reduce_scatter sums only")
+
+
+def test_a_terminal_gets_a_rich_table_with_every_column(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setenv("COLUMNS", "300")
+    status, out = run_bench(["all_reduce", *QUICK], capsys)
+    assert status == 0
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out).splitlines()  # no colours or cursor moves
+    [groups] = [line for line in lines if "distrib" in line and "raw NumPy in-place" in line and "┃" in line]
+    assert [cell.strip() for cell in groups.split("┃")[1:-1]][5:17:4] == ["distrib", "raw NumPy",
+                                                                           "raw NumPy in-place"]
+    [names] = [line for line in lines if "#wrong" in line and "┃" in line]
+    assert [cell.strip() for cell in names.split("┃")[1:-1]] == \
+        ["size", "count", "type", "redop", "root"] + ["time", "algbw", "busbw", "#wrong"] * 3 + ["vs raw"]
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    assert [r[0] for r in rows] == ["1024", "8192"] and all(r[8] == "0" for r in rows)

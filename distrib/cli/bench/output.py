@@ -3,6 +3,7 @@ terminal. Only the process that reports (rank 0 under mpirun) makes one."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 
@@ -29,8 +30,9 @@ class Output:
         return f"<Output {'rich' if self.rich else 'plain'}>"
 
     def lines(self, lines: list[str]) -> None:
+        """The preamble, ending with the table's three header lines (from table.header)."""
         if self.rich:
-            self._head = lines
+            self._head = [line for text in lines for line in text.split("\n")]
         else:
             print("\n".join(lines), flush=True)
 
@@ -56,9 +58,13 @@ class Output:
         titles, names = self._head[-3], self._head[-2].lstrip("#").split()
         for line in self._head[:-3]:
             console.print(line, highlight=False, markup=False)
-        table = Table(title=" | ".join(t for t in titles.split("  ") if t.strip()), title_justify="left")
-        for name in names:
-            table.add_column(name, justify="right")
+        groups = [t for t in re.split(r"\s{2,}", titles.lstrip("#")) if t.strip()]
+        extra = " ".join(names[5 + len(groups) * 4:])  # the extra column's name may hold spaces ("vs raw")
+        table = Table()
+        for k, name in enumerate(names[:5 + len(groups) * 4] + ([extra] if extra else [])):
+            group, first = divmod(k - 5, 4)
+            title = f"{groups[group]}\n{name}" if 0 <= group < len(groups) and first == 0 and k >= 5 else f"\n{name}"
+            table.add_column(title, justify="right")
         for text in self._rows:
             table.add_row(*text.split())
         console.print(table)
