@@ -214,7 +214,7 @@ class NcclCollectives:
             if not isinstance(flat, cupy.ndarray) or flat.ndim != 1 or not flat.flags.c_contiguous:
                 raise ValueError(f"{api} needs contiguous 1-D CuPy arrays. Received: flats[{k}], a "
                                  f"{type(flat).__name__} of shape {getattr(flat, 'shape', None)}.")
-            if flat.device.id != ordinal:
+            if flat.data.device_id != ordinal:
                 raise ValueError(f"{api} needs each flat array on its device. Received: flats[{k}] on "
                                  f"GPU:{flat.device.id} for device {devices[k]}.")
             if flat.size != first.size or flat.dtype != first.dtype:
