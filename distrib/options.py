@@ -10,6 +10,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 
+_BY_NAME: dict[tuple[type, str], Any] = {}  # (enum, a valid name as written) -> member
+
+
 def coerce_enum(cls: type[enum.Enum], value: object, argument: str, *, rule: str = "", by_name: bool = False) -> Any:
     """`value` as a member of the enum `cls`: a member, or its name in any case; with `by_name`, also any
     object whose `.name` is a member's name. Otherwise ValueError stating the rule (by default "`argument`
@@ -21,8 +24,12 @@ def coerce_enum(cls: type[enum.Enum], value: object, argument: str, *, rule: str
     """
     if isinstance(value, cls):
         return value
+    if type(value) is str and (member := _BY_NAME.get((cls, value))) is not None:
+        return member  # every collective names its op: "SUM" costs a dict look-up
     name = value if isinstance(value, str) else getattr(value, "name", None) if by_name else None
     if isinstance(name, str) and name.upper() in cls.__members__:
+        if type(value) is str:
+            _BY_NAME[(cls, value)] = cls[name.upper()]
         return cls[name.upper()]
     rule = rule or f"{argument} must be one of {', '.join(cls.__members__)}"
     kind = "" if isinstance(value, str) else f" of type {type(value).__name__}"

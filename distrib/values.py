@@ -196,6 +196,10 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     if (first is None or (type(first) in (tuple, dict) and not first)) and \
             all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine: None, (), {}
         return {} if type(first) is dict else first
+    kind = type(first)
+    if kind in _LEAF_TYPES and len(per_replica) > 1 and per_replica[1] is not first and \
+            all(type(x) is kind for x in per_replica):  # one distinct array per replica: the usual result of a run
+        return wrap_class._wrap(tuple(per_replica))
     first_leaves, spec = flatten(first)
     columns = [first_leaves]
     for replica_id, structure in enumerate(per_replica[1:], start=1):
