@@ -131,3 +131,26 @@ def test_a_failed_rank_gives_the_other_a_typed_error_naming_it(tmp_path, fault, 
     assert report["seconds"] < 2 + 5  # within the timeout (2 s), plus the launcher's reaction
     later = (tmp_path / "error.json.0.later").read_text()
     assert later.startswith("all_reduce cannot run: this MPI job already failed.")
+
+
+def test_a_rank_killed_inside_a_transfer_ends_the_other_with_an_error_naming_it(tmp_path):
+    # rank 1 is SIGKILLed while both ranks are inside the MPI call of a 32 MB all-reduce; the timeout is long, so
+    # only the watchdog can end rank 0 before the subprocess timeout: no hang
+    done = mpirun("faults.py", "kill-mid", str(tmp_path / "error.json"), "600", timeout=60)
+    assert done.returncode != 0
+    printed = done.stdout + done.stderr
+    error = next(line for line in printed.splitlines() if line.startswith("distrib.errors."))
+    assert error.startswith("distrib.errors.WorkerFailedError: rank 1 (pid ")
+    assert "while rank 0 was inside the MPI call" in error
+    assert not (tmp_path / "error.json.0").exists()  # no Python code of the stuck thread ran again
+
+
+def test_a_rank_stopped_inside_a_transfer_aborts_the_job_past_the_timeout(tmp_path):
+    done = mpirun("faults.py", "stop-mid", str(tmp_path / "error.json"), "2", timeout=60)
+    assert done.returncode != 0
+    printed = done.stdout + done.stderr
+    error = next(line for line in printed.splitlines() if line.startswith("distrib.errors."))
+    assert error.startswith("distrib.errors.DeadlineExceededError: all_reduce across processes did not complete "
+                            "within 2 s")
+    assert "rank 1 (pid " in error and "stopped" in error
+    assert "MPI_ABORT was invoked on rank 0" in printed

@@ -44,27 +44,36 @@ class MpiBackend(CpuBackend):
     def __init__(self, num_local_replicas: int | None = None):
         super().__init__(num_local_replicas)
         self.group = ProcessGroup(len(self.default_devices()))
+        self._wires: dict[np.dtype, tuple[Any, Any]] = {}
+
+    def _wire(self, dtype: np.dtype) -> tuple[Any, Any]:
+        """(the MPI datatype of `dtype`, or None where it travels as float32; the reduction op), memoized."""
+        entry = self._wires.get(dtype)
+        if entry is None:
+            MPI = self.group.MPI
+            mpi_type, op = _MPI_TYPES.get(dtype_name(dtype), (None, "SUM"))
+            entry = self._wires[dtype] = (getattr(MPI, mpi_type) if mpi_type else None, getattr(MPI, op))
+        return entry
 
     def _buffer(self, array: np.ndarray) -> tuple[np.ndarray, list]:
         """The array as MPI sends it (float16/bfloat16 as float32), and its [buffer, datatype] spec."""
-        name = dtype_name(array.dtype)
-        mpi_type, _ = _MPI_TYPES.get(name, ("FLOAT", "SUM"))
-        wire = array if name in _MPI_TYPES else array.astype(np.float32)
-        return wire, [wire, getattr(self.group.MPI, mpi_type)]
-
-    def _op(self, dtype: np.dtype) -> Any:
-        return getattr(self.group.MPI, _MPI_TYPES.get(dtype_name(dtype), ("FLOAT", "SUM"))[1])
+        mpi_type = self._wire(array.dtype)[0]
+        if mpi_type is None:
+            wire = array.astype(np.float32)
+            return wire, [wire, self.group.MPI.FLOAT]
+        return array, [array, mpi_type]
 
     def _local_sum(self, flats: Sequence[np.ndarray]) -> tuple[np.ndarray | None, np.ndarray]:
         """(what this process sends, a new writable buffer the sum lands in). One replica sends its own buffer,
         which MPI copies as it sums; several are summed here in replica order, and reduced in place."""
-        total = self._pool.empty(flats[0].shape, flats[0].dtype)
+        first = flats[0]
+        total = self._pool.empty(first.shape, first.dtype)
         if len(flats) == 1:
-            if dtype_name(total.dtype) in _MPI_TYPES and flats[0].flags.c_contiguous:
-                return flats[0], total
-            np.copyto(total, flats[0])
+            if first.flags.c_contiguous and self._wire(first.dtype)[0] is not None:
+                return first, total
+            np.copyto(total, first)
         else:
-            np.add(flats[0], flats[1], out=total)
+            np.add(first, flats[1], out=total)
             for flat in flats[2:]:
                 np.add(total, flat, out=total)
         return None, total
@@ -72,21 +81,26 @@ class MpiBackend(CpuBackend):
     def _sum_across(self, sums: Sequence[tuple[np.ndarray | None, np.ndarray]],
                     chunks: Sequence[Sequence[tuple[int, int]]], what: str, timeout: float | None) -> list[np.ndarray]:
         """Every process's sums (from `_local_sum`) summed, one MPI call per chunk; returns the totals."""
-        MPI, comm = self.group.MPI, self.group.comm
-        totals = [total for _, total in sums]
-        wires = [self._buffer(total) for total in totals]
+        comm, in_place = self.group.comm, self.group.MPI.IN_PLACE
+        moves = []
+        for (send, total), bounds in zip(sums, chunks):
+            (wire, (_, mpi_type)), op = self._buffer(total), self._wire(total.dtype)[1]
+            moves.append((send, wire, mpi_type, op, bounds))
 
         def call():
-            for (send, total), (wire, spec), bounds in zip(sums, wires, chunks):
-                op = self._op(total.dtype)
+            for send, wire, mpi_type, op, bounds in moves:
+                if len(bounds) == 1 and bounds[0][1] - bounds[0][0] == wire.size:  # the whole buffer
+                    comm.Allreduce(in_place if send is None else [send, mpi_type], [wire, mpi_type], op)
+                    continue
                 for a, b in bounds:
-                    source = MPI.IN_PLACE if send is None else [send[a:b], spec[1]]
-                    comm.Allreduce(source, [wire[a:b], spec[1]], op)
+                    comm.Allreduce(in_place if send is None else [send[a:b], mpi_type], [wire[a:b], mpi_type], op)
 
         self.group.run(what, call, timeout)
-        for (wire, _), total in zip(wires, totals):
+        totals = []
+        for (_, total), (_, wire, *_) in zip(sums, moves):
             if wire is not total:
                 np.copyto(total, wire, casting="unsafe")
+            totals.append(total)
         return totals
 
     def execute(self, plan: AllReducePlan, per_device, devices, *, timeout=None):

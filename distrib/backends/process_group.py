@@ -1,11 +1,10 @@
 """The processes of an MPI job as one group: bootstrap over mpi4py, waits bounded by a timeout, failed ranks named.
 
-Before each collective a rank announces it to every peer with a tiny message on a communicator of its own, and
-polls until every peer has announced it too; only then does it make the (blocking, fast) MPI call, which every
-peer is about to make as well. So a rank that died or stalled before a collective cannot hang the others: past
-the timeout, the ranks that never announced it are named in a DeadlineExceededError. (Open MPI's non-blocking
-collectives, which could be polled directly, move large buffers 2 to 4 times slower than its blocking ones.) When `mpirun` tears a job down because a rank died, the survivors receive
-SIGTERM; it becomes a WorkerFailedError naming the ranks (on this host) that are gone. After either fault the
+Collectives run on channels (announcements.py): each is announced to every peer and made only once every peer
+has announced it, so a rank that died or stalled before a collective is named in a DeadlineExceededError past the
+timeout. When `mpirun` tears a job down because a rank died, the survivors receive SIGTERM: in Python code it
+becomes a WorkerFailedError naming the ranks (on this host) that are gone; inside an MPI call, which cannot be
+interrupted, the watchdog thread (call_watchdog.py) prints that error and ends the process. After any fault the
 group is broken: later collectives raise at once, and the process aborts the MPI job when it exits instead of
 waiting in MPI_Finalize for a peer that will never come.
 """
@@ -18,16 +17,15 @@ import signal
 import socket
 import sys
 import threading
-import time
 import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
-from distrib.errors import BackendUnavailableError, DeadlineExceededError, WorkerFailedError
+from distrib.backends.announcements import Channel
+from distrib.backends.call_watchdog import CallWatchdog
+from distrib.errors import BackendUnavailableError, WorkerFailedError
 
-_ANNOUNCE_TAG = 17
-_SPIN_SECONDS = 0.05  # poll for peers without sleeping this long, as MPI's blocking calls do; then in 0.5 ms naps
 _GROUPS: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 
 
@@ -40,75 +38,6 @@ def import_mpi() -> Any:
                                       f"'distrib[mpi]' (and e.g. apt-get install openmpi-bin libopenmpi-dev). "
                                       f"Received: {exc}.") from exc
     return MPI
-
-
-class Channel:
-    """An ordered stream of collectives on a communicator of its own, issued by one thread at a time.
-
-    Collectives on one communicator must be issued in the same order on every rank; the training loop and the
-    input pipeline's thread each get a channel, so their collectives cannot interleave differently on two ranks.
-    """
-
-    def __init__(self, group: "ProcessGroup", name: str):
-        MPI = group.MPI
-        self.group, self.name = group, name
-        self.comm = MPI.COMM_WORLD.Dup()
-        self._announcements = MPI.COMM_WORLD.Dup()
-        self._sequence = 0
-        self._seen = [0] * group.size
-        self._seen[group.rank] = 1 << 62  # this rank never waits for itself
-        self._sends: list[tuple[Any, np.ndarray]] = []
-        self._lock = threading.Lock()
-
-    def run(self, what: str, call: Any, timeout: float | None) -> None:
-        """Announces collective `what`, waits until every peer has announced it, then makes it (`call()`)."""
-        with self._lock:
-            self.group.check_usable(what)
-            self._sequence += 1
-            self._announce()
-            self._wait_for_peers(what, timeout)
-            call()
-
-    def _announce(self) -> None:
-        stamp = np.array([self._sequence], np.int64)
-        for peer in range(self.group.size):
-            if peer != self.group.rank:
-                self._sends.append((self._announcements.Isend(stamp, dest=peer, tag=_ANNOUNCE_TAG), stamp))
-
-    def _collect_announcements(self) -> None:
-        MPI, status, stamp = self.group.MPI, self.group.MPI.Status(), np.zeros(1, np.int64)
-        while self._announcements.Iprobe(source=MPI.ANY_SOURCE, tag=_ANNOUNCE_TAG, status=status):
-            source = status.Get_source()
-            self._announcements.Recv(stamp, source=source, tag=_ANNOUNCE_TAG)
-            self._seen[source] = max(self._seen[source], int(stamp[0]))
-        if self._sends and MPI.Request.Testall([request for request, _ in self._sends]):
-            self._sends.clear()
-
-    def _wait_for_peers(self, what: str, timeout: float | None) -> None:
-        group, sequence = self.group, self._sequence
-        self._collect_announcements()
-        if min(self._seen) >= sequence or group.size == 1:
-            return
-        begin = time.monotonic()
-        limit = timeout if timeout is not None else _default_timeout()
-        while True:
-            self._collect_announcements()
-            missing = tuple(r for r in range(group.size) if r != group.rank and self._seen[r] < sequence)
-            if not missing:
-                return
-            waited = time.monotonic() - begin
-            if waited > limit:
-                group.broken = DeadlineExceededError(
-                    f"{what} across processes timed out after {limit:g} s: {group.describe(missing)} never reached "
-                    f"it (collective #{sequence} of the job's {self.name}). A rank that stalls, crashes or skips a "
-                    f"collective stops the job; raise CommunicationOptions(timeout_seconds=...) if the work is just "
-                    f"slow. Restart the job; `--resume` continues from the last checkpoint.",
-                    operation=what, missing_ranks=missing, missing_replicas=group.replicas_of(missing))
-                raise group.broken
-            if waited > _SPIN_SECONDS:
-                time.sleep(0.0005)
-            else:
-                os.sched_yield()  # the peer we wait for may need this core (more ranks than cores)
 
 
 class ProcessGroup:
@@ -131,10 +60,16 @@ class ProcessGroup:
         self.first_replica = sum(self.replica_counts[:self.rank])
         self.num_replicas = sum(self.replica_counts)
         self.broken: BaseException | None = None
-        self._collectives, self._input = Channel(self, "collectives"), Channel(self, "input checks")
+        oversubscribed = self.hosts.count(self.hosts[self.rank]) > (os.cpu_count() or 1)
+        self._collectives = Channel(self, "collectives", oversubscribed)
+        self._input = Channel(self, "input checks", oversubscribed)
+        self.channels = (self._collectives, self._input)
         self.comm = self._collectives.comm  # the communicator `run`'s collectives use
         _GROUPS.add(self)
         _install_handlers()
+        self.watchdog = CallWatchdog(self)
+        if self.size > 1:
+            self.watchdog.start()
 
     def run(self, what: str, call: Any, timeout: float | None) -> None:
         """Runs collective `what` on `comm`: once every rank has reached it, `call()` makes the MPI call(s).
@@ -179,8 +114,23 @@ class ProcessGroup:
         return tuple(r for r in range(self.size) if r != self.rank and self.hosts[r] == here
                      and not _alive(self.pids[r]))
 
+    def stopped_local_ranks(self) -> tuple[int, ...]:
+        """Ranks on this host whose process is stopped (SIGSTOP, a debugger): they stall without dying."""
+        here = socket.gethostname()
+        return tuple(r for r in range(self.size) if r != self.rank and self.hosts[r] == here
+                     and _state(self.pids[r]) in ("T", "t"))
+
     def __repr__(self) -> str:
         return f"<ProcessGroup rank={self.rank} size={self.size} replicas={self.replica_counts}>"
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc ('R', 'S', 'T' stopped, ...); '' where there is no /proc entry."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _alive(pid: int) -> bool:
@@ -191,12 +141,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _default_timeout() -> float:
-    from distrib.options import default_timeout
-
-    return default_timeout()
 
 
 _INSTALLED: list[bool] = []

@@ -1,5 +1,10 @@
-"""Run under `mpirun -np 2`: rank 1 fails (argv[1]: "kill" = SIGKILL itself, "stall" = sleep) at the 3rd step;
-rank 0 must raise a typed error naming rank 1, which it writes to the JSON file argv[2]."""
+"""Run under `mpirun -np 2`: rank 1 fails at the 3rd step, and rank 0 must get a typed error naming rank 1.
+
+argv[1] is the fault: "kill" (SIGKILL before the step's collective), "stall" (sleep instead of reaching it), or
+"kill-mid" (SIGKILL while both ranks are inside the MPI call of a 32 MB all-reduce), "stop-mid" (SIGSTOP there). argv[2] is the JSON file
+rank 0 writes the error it caught to; argv[3] the collective timeout in seconds. Inside an MPI call no error can
+be caught: rank 0's watchdog prints it and ends the process, and this program prints what it was doing.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -17,10 +23,21 @@ mode, report_path = sys.argv[1], sys.argv[2]
 strategy = distrib.MultiWorkerMirroredStrategy(
     communication_options=distrib.CommunicationOptions(timeout_seconds=float(sys.argv[3])))
 rank = strategy.cluster_resolver.task_id
+size = 8 << 20 if mode.endswith("-mid") else 1000  # float32 elements
 
 
 def step():
-    return distrib.get_replica_context().all_reduce("SUM", np.ones(1000, np.float32))
+    return distrib.get_replica_context().all_reduce("SUM", np.ones(size, np.float32))
+
+
+def signal_inside_the_next_call(signum):
+    """Sends `signum` to this process once its thread is inside the MPI call (the fault injector's only peek
+    inside)."""
+    channel = strategy.extended._group.channels[0]
+    while channel.in_call is None:
+        time.sleep(0.0005)
+    time.sleep(0.002)
+    os.kill(os.getpid(), signum)
 
 
 began = time.monotonic()
@@ -29,7 +46,13 @@ try:
         if i == 2 and rank == 1:
             if mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(3600)
+            elif mode.endswith("-mid"):
+                signum = signal.SIGKILL if mode == "kill-mid" else signal.SIGSTOP
+                threading.Thread(target=signal_inside_the_next_call, args=(signum,), daemon=True).start()
+            else:
+                time.sleep(3600)
+        if i == 2 and rank == 0:
+            print(f"rank 0 starts step {i} at {time.time():.3f}", flush=True)
         strategy.run(step)
         began = time.monotonic()
 except distrib.errors.DistribError as exc:

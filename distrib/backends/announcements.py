@@ -1,0 +1,150 @@
+"""Collectives across MPI ranks that cannot hang on a missing peer: each is announced to every peer, then made.
+
+Before a collective a rank sends its number to every peer on a communicator of its own (8 bytes, one
+non-blocking send each) and polls pre-posted persistent receives until every peer has announced it too; only
+then does it make the blocking, fast MPI call, which every peer is about to make as well. A peer that never
+announces it within the timeout is named in a DeadlineExceededError. (Open MPI's non-blocking collectives, which
+could be polled directly, move a 1 MB buffer 3-5 times slower than its blocking ones.)
+
+The wait spins, as MPI's own blocking calls do: yielding the core to whatever else runs there (the peer is on
+another core) delays the collective by a scheduler time slice when the machine is busy. It yields only when a
+host runs more ranks than it has cores, and naps once a peer is more than `SPIN_SECONDS` late.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from distrib.errors import DeadlineExceededError
+from distrib.options import default_timeout
+
+_TAG = 17
+SPIN_SECONDS = 0.05  # a late peer is polled without pause this long, then every NAP_SECONDS
+NAP_SECONDS = 0.0005
+
+
+class InCall(NamedTuple):
+    """The MPI call a channel is inside: read by the group's watchdog thread while the calling thread is in MPI."""
+
+    operation: str
+    sequence: int
+    started: float  # time.monotonic()
+    timeout: float | None
+
+
+class Channel:
+    """An ordered stream of collectives on a communicator of its own, issued by one thread at a time.
+
+    Collectives on one communicator must be issued in the same order on every rank; the training loop and the
+    input pipeline's thread each get a channel, so their collectives cannot interleave differently on two ranks.
+
+    Args:
+      group: the ProcessGroup (its MPI module, rank, size, `check_usable`, `describe`, `replicas_of`).
+      name: what the channel carries, for error messages ("collectives").
+      oversubscribed: whether this host runs more ranks than it has cores (waits then yield the core).
+    """
+
+    def __init__(self, group: Any, name: str, oversubscribed: bool = False):
+        MPI = group.MPI
+        self.group, self.name, self._yield = group, name, oversubscribed
+        self.comm = MPI.COMM_WORLD.Dup()
+        self._board = MPI.COMM_WORLD.Dup()
+        self.sequence = 0  # collectives announced so far
+        self.in_call: InCall | None = None
+        self._peers = tuple(r for r in range(group.size) if r != group.rank)
+        self._seen = [0] * len(self._peers)  # the last collective each peer announced
+        self._inbox = np.zeros(len(self._peers), np.int64)
+        self._receives = [self._board.Recv_init([self._inbox[k:k + 1], MPI.INT64_T], source=peer, tag=_TAG)
+                          for k, peer in enumerate(self._peers)]
+        if self._receives:
+            MPI.Prequest.Startall(self._receives)
+        self._sends: list[Any] = []
+        self._stamps: list[np.ndarray] = []  # the buffers of sends not known to be complete
+        self._lock = threading.Lock()
+
+    def run(self, what: str, call: Callable[[], Any], timeout: float | None) -> None:
+        """Announces collective `what`, waits until every peer has announced it, then makes it (`call()`).
+
+        Raises:
+          DeadlineExceededError: naming the ranks that never announced it within `timeout` seconds.
+          WorkerFailedError: the job already failed.
+        """
+        with self._lock:
+            self.group.check_usable(what)
+            self._announce()
+            if self._missing():
+                self._wait_for_peers(what, timeout)
+            self.in_call = InCall(what, self.sequence, time.monotonic(), timeout)
+            try:
+                call()
+            finally:
+                self.in_call = None
+
+    def announce(self) -> int:
+        """Announces the next collective without waiting for the peers (who reach it later); returns its number."""
+        with self._lock:
+            self._announce()
+            return self.sequence
+
+    def missing(self, sequence: int) -> tuple[int, ...]:
+        """The peers that have not announced collective `sequence` yet."""
+        with self._lock:
+            return self._missing(sequence)
+
+    def _announce(self) -> None:
+        self.sequence += 1
+        if not self._peers:
+            return
+        MPI = self.group.MPI
+        if self._sends and MPI.Request.Testall(self._sends):
+            self._sends.clear()
+            self._stamps.clear()
+        stamp = np.array([self.sequence], np.int64)
+        self._stamps.append(stamp)
+        for peer in self._peers:
+            self._sends.append(self._board.Isend([stamp, MPI.INT64_T], dest=peer, tag=_TAG))
+
+    def _missing(self, sequence: int | None = None) -> tuple[int, ...]:
+        """Collects the announcements that arrived (up to `sequence`, default the last announced); returns the
+        peers still missing."""
+        sequence = self.sequence if sequence is None else sequence
+        missing = ()
+        for k, receive in enumerate(self._receives):
+            while self._seen[k] < sequence:
+                if not receive.Test():
+                    missing += (self._peers[k],)
+                    break
+                self._seen[k] = int(self._inbox[k])  # peers announce 1, 2, 3, ... in order
+                receive.Start()
+        return missing
+
+    def _wait_for_peers(self, what: str, timeout: float | None) -> None:
+        begin = time.monotonic()
+        limit = timeout if timeout is not None else default_timeout()
+        while True:
+            missing = self._missing()
+            if not missing:
+                return
+            waited = time.monotonic() - begin
+            if waited > limit:
+                group = self.group
+                group.broken = DeadlineExceededError(
+                    f"{what} across processes timed out after {limit:g} s: {group.describe(missing)} never reached "
+                    f"it (collective #{self.sequence} of the job's {self.name}). A rank that stalls, crashes or "
+                    f"skips a collective stops the job; raise CommunicationOptions(timeout_seconds=...) if the work "
+                    f"is just slow. Restart the job; `--resume` continues from the last checkpoint.",
+                    operation=what, missing_ranks=missing, missing_replicas=group.replicas_of(missing))
+                raise group.broken
+            if waited > SPIN_SECONDS:
+                time.sleep(NAP_SECONDS)
+            elif self._yield:
+                os.sched_yield()  # the peer we wait for may need this core
+
+    def __repr__(self) -> str:
+        return f"<Channel {self.name!r} rank={self.group.rank} announced={self.sequence}>"
+
