@@ -86,15 +86,23 @@ class Channel:
                 self.in_call = None
 
     def announce(self) -> int:
-        """Announces the next collective without waiting for the peers (who reach it later); returns its number."""
+        """Announces the next collective without waiting for the peers (who reach it later); returns its number.
+
+        For collectives that are launched asynchronously (NCCL's): a timeout then asks `missing`.
+        """
         with self._lock:
             self._announce()
+            self._missing()  # takes in what has arrived, so that nothing piles up
             return self.sequence
 
     def missing(self, sequence: int) -> tuple[int, ...]:
-        """The peers that have not announced collective `sequence` yet."""
-        with self._lock:
+        """The peers that have not announced collective `sequence` yet (callable from any thread)."""
+        if not self._lock.acquire(timeout=1.0):  # the caller's thread waits at a collective: read what it saw
+            return tuple(peer for peer, seen in zip(self._peers, self._seen) if seen < sequence)
+        try:
             return self._missing(sequence)
+        finally:
+            self._lock.release()
 
     def _announce(self) -> None:
         self.sequence += 1
@@ -132,14 +140,8 @@ class Channel:
                 return
             waited = time.monotonic() - begin
             if waited > limit:
-                group = self.group
-                group.broken = DeadlineExceededError(
-                    f"{what} across processes timed out after {limit:g} s: {group.describe(missing)} never reached "
-                    f"it (collective #{self.sequence} of the job's {self.name}). A rank that stalls, crashes or "
-                    f"skips a collective stops the job; raise CommunicationOptions(timeout_seconds=...) if the work "
-                    f"is just slow. Restart the job; `--resume` continues from the last checkpoint.",
-                    operation=what, missing_ranks=missing, missing_replicas=group.replicas_of(missing))
-                raise group.broken
+                self.group.broken = missing_error(self, what, limit, self.sequence, missing)
+                raise self.group.broken
             if waited > SPIN_SECONDS:
                 time.sleep(NAP_SECONDS)
             elif self._yield:
@@ -148,3 +150,15 @@ class Channel:
     def __repr__(self) -> str:
         return f"<Channel {self.name!r} rank={self.group.rank} announced={self.sequence}>"
 
+
+
+def missing_error(channel: Channel, what: str, limit: float, sequence: int, missing: tuple[int, ...],
+                  detail: str = "") -> DeadlineExceededError:
+    """The error of collective #`sequence` that the `missing` ranks never reached within `limit` seconds."""
+    group = channel.group
+    return DeadlineExceededError(
+        f"{what} across processes timed out after {limit:g} s: {group.describe(missing)} never reached it "
+        f"(collective #{sequence} of the job's {channel.name}).{detail} A rank that stalls, crashes or skips a "
+        f"collective stops the job; raise CommunicationOptions(timeout_seconds=...) if the work is just slow. "
+        f"Restart the job; `--resume` continues from the last checkpoint.",
+        operation=what, missing_ranks=missing, missing_replicas=group.replicas_of(missing))

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distrib.backends.announcements import Channel
+from distrib.backends.announcements import Channel, missing_error
 from distrib.backends.call_watchdog import CallWatchdog
 from distrib.errors import BackendUnavailableError, WorkerFailedError
 
@@ -79,6 +79,23 @@ class ProcessGroup:
           WorkerFailedError: the job already failed.
         """
         self._collectives.run(what, call, timeout)
+
+    def announce(self) -> int:
+        """Announces the next collective on `comm` without waiting for the peers; its number (see `missing`).
+
+        For collectives launched asynchronously on another transport (NCCL): they do not block here.
+        """
+        return self._collectives.announce()
+
+    def missing(self, sequence: int) -> tuple[int, ...]:
+        """The ranks that have not announced collective `sequence` on `comm` (from `run` or `announce`) yet."""
+        return self._collectives.missing(sequence)
+
+    def missing_error(self, what: str, limit: float, sequence: int, missing: tuple[int, ...],
+                      detail: str = "") -> BaseException:
+        """The DeadlineExceededError of collective #`sequence` that `missing` never reached; the group is broken."""
+        self.broken = missing_error(self._collectives, what, limit, sequence, missing, detail)
+        return self.broken
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
         """Returns once every rank has reached the barrier; raises like any collective otherwise."""

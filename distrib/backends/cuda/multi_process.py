@@ -25,7 +25,7 @@ from distrib.backends.cuda import nccl as nccl_comms
 from distrib.backends.cuda.backend import CudaBackend
 from distrib.backends.process_group import ProcessGroup
 from distrib.mpi_env import mpi_environment
-from distrib.errors import CollectiveError
+from distrib.errors import CollectiveError, DeadlineExceededError, WorkerFailedError
 
 
 def local_gpus(count: int, local_rank: int, local_size: int) -> list[int]:
@@ -54,8 +54,10 @@ class JobCommunicators(nccl_comms.Communicators):
                                   f"{list(ordinals)}.", operation=operation)
         comms = self._groups.get(ordinals)
         if comms is None:
-            group = self._group
-            unique_id = group.comm.bcast(nccl.get_unique_id() if group.rank == 0 else None, root=0)
+            group, received = self._group, []
+            group.run(f"{operation} (creating the job's NCCL communicator)", lambda: received.append(
+                group.comm.bcast(nccl.get_unique_id() if group.rank == 0 else None, root=0)), None)
+            unique_id = received[0]
             comms = []
             try:
                 nccl.groupStart()  # several communicators in one thread must be created inside one group
@@ -68,6 +70,30 @@ class JobCommunicators(nccl_comms.Communicators):
                                       f"{list(ordinals)}): {exc}.", operation=operation, status=exc.status) from exc
             self._groups[ordinals] = comms
         return comms
+
+
+    def _announce(self, operation: str) -> int:
+        return self._group.announce()
+
+    def _late(self, operation: str, ordinals: tuple[int, ...], timeout: float, sequence: int | None) -> BaseException:
+        """Names the ranks that never launched collective #`sequence`, as the CPU path names those that never
+        reached it; a dead rank on this host is a WorkerFailedError."""
+        group = self._group
+        dead = group.dead_local_ranks()
+        if dead:
+            group.broken = WorkerFailedError(
+                f"{group.describe(dead)} died: {operation} on GPUs {list(ordinals)} did not complete within "
+                f"{timeout:g} s, and its communicators were aborted. Restart the job; `--resume` continues from the "
+                f"last checkpoint.", ranks=dead)
+            return group.broken
+        missing = group.missing(sequence)
+        if missing:
+            return group.missing_error(operation, timeout, sequence, missing, f" NCCL has no timeout of its own: the "
+                                       f"communicators on GPUs {list(ordinals)} were aborted.")
+        late = super()._late(operation, ordinals, timeout, sequence)
+        return DeadlineExceededError(f"{late} Every rank launched it (collective #{sequence} of the job's "
+                                     f"collectives): the stall is in a rank's GPU work or the network.",
+                                     operation=operation)
 
 
 class MultiProcessCudaBackend(CudaBackend):

@@ -76,6 +76,7 @@ class Communicators:
         """
         self.watchdog.check()
         ordinals = tuple(ordinals)
+        sequence = self._announce(operation)
         with self._lock_for(ordinals):
             comms = self._communicators(ordinals, operation)
             try:
@@ -96,7 +97,7 @@ class Communicators:
         self.watchdog.watch(Watched(operation, events, time.monotonic() + timeout,
                                     poll_errors=lambda: self._poll_errors(operation, ordinals, comms),
                                     abort=lambda: self._abort(ordinals, comms),
-                                    timeout_error=lambda: self._late(operation, ordinals, timeout)))
+                                    timeout_error=lambda: self._late(operation, ordinals, timeout, sequence)))
 
     def _poll_errors(self, operation: str, ordinals: tuple[int, ...], comms: list[Any]) -> None:
         try:
@@ -112,8 +113,13 @@ class Communicators:
                                f"communicators were aborted; the next collective creates new ones. {HINT}",
                                operation=operation, status=getattr(exc, "status", None))
 
-    @staticmethod
-    def _late(operation: str, ordinals: tuple[int, ...], timeout: float) -> DeadlineExceededError:
+    def _announce(self, operation: str) -> int | None:
+        """Tells the peers of a multi-process job that this collective is launched; its number (None here)."""
+        return None
+
+    def _late(self, operation: str, ordinals: tuple[int, ...], timeout: float,
+              sequence: int | None) -> BaseException:
+        """The error of a collective past its deadline (multi-process: naming the ranks that never launched it)."""
         return DeadlineExceededError(
             f"{operation} did not complete within {timeout:g} s on GPUs {list(ordinals)}; NCCL has no timeout of its "
             f"own, so the communicators were aborted (the next collective creates new ones). {HINT} Raise "
