@@ -24,6 +24,7 @@ from distrib.errors import DeadlineExceededError
 from distrib.options import default_timeout
 
 _TAG = 17
+_CHECK_SENDS_EVERY = 32
 SPIN_SECONDS = 0.05  # a late peer is polled without pause this long, then every NAP_SECONDS
 NAP_SECONDS = 0.0005
 
@@ -75,7 +76,8 @@ class Channel:
           WorkerFailedError: the job already failed.
         """
         with self._lock:
-            self.group.check_usable(what)
+            if self.group.broken is not None:
+                self.group.check_usable(what)
             self._announce()
             if self._missing():
                 self._wait_for_peers(what, timeout)
@@ -109,8 +111,8 @@ class Channel:
         if not self._peers:
             return
         MPI = self.group.MPI
-        if self._sends and MPI.Request.Testall(self._sends):
-            self._sends.clear()
+        if len(self._sends) >= _CHECK_SENDS_EVERY and MPI.Request.Testall(self._sends):  # 8-byte sends complete
+            self._sends.clear()                                                         # at once: look seldom
             self._stamps.clear()
         stamp = np.array([self.sequence], np.int64)
         self._stamps.append(stamp)
