@@ -232,6 +232,8 @@ class MirroredExtended(StrategyExtended):
             raise
 
     def _batch_reduce_to(self, op, pairs, options):
+        if len(self._threads) < 2:  # nothing to lend; skipping the context manager saves ~10 µs a call
+            return super()._batch_reduce_to(op, pairs, options)
         with self._idle_threads_lent():
             return super()._batch_reduce_to(op, pairs, options)
 
@@ -242,8 +244,9 @@ class MirroredExtended(StrategyExtended):
     @contextlib.contextmanager
     def _idle_threads_lent(self) -> Iterator[None]:
         """Lends the replica threads to a reduction called outside a run, when they are idle, so that its sums
-        are split as a merge's are; inside a merge the merge's own team is already lent."""
-        if lent_team() is not None or self._pid != os.getpid() or not self._threads or \
+        are split as a merge's are; inside a merge the merge's own team is already lent. One thread has nothing to
+        split with."""
+        if lent_team() is not None or self._pid != os.getpid() or len(self._threads) < 2 or \
                 not self._run_lock.acquire(blocking=False):
             yield
             return

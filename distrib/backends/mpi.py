@@ -115,7 +115,10 @@ class MpiBackend(CpuBackend):
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
             if float_mean:
                 np.true_divide(total, count, out=total)
-            for out, arrays in zip(results, self.unpack_all(shared_views(total, len(devices)), buffer)):
+            total.flags.writeable = False  # one result for every local replica: read-only, as TensorFlow's tensors
+            members = self.unpack(total, buffer)  # once; each replica gets views of its own (as unpack_all gives)
+            for out in results:
+                arrays = members if len(results) == 1 else [member.view() for member in members]
                 if plan.mean and not float_mean:  # integer MEAN: SUM, then true division, as TensorFlow does
                     arrays = [np.asarray(a / count) for a in arrays]
                 for member, array in zip(buffer.members, arrays):
