@@ -12,7 +12,7 @@ from distrib.checkpoint import restore_deferred
 from distrib.interrupts import deferred_interrupts
 from distrib.options import ReduceOp
 from distrib.values import DistributedValues, PerReplica
-from distrib.variables import DistributedVariable, MirroredVariable, Variable, VariableAggregation
+from distrib.variables import DistributedVariable, MirroredVariable, Variable, VariableAggregation, write_serials
 
 __all__ = ["Adam", "Optimizer", "SGD"]
 
@@ -184,20 +184,14 @@ class Optimizer:
                     if not backend.fused_optimizer_update(self._rule, items, coefficients):
                         self._update_device(backend.xp, items, coefficients)
             self.iterations.assign_add(1)
-            self._counted = (self._iterations_serials(), step)
+            self._counted = (write_serials(self._iterations), step)
         return self.iterations
-
-    def _iterations_serials(self) -> tuple[int, ...]:
-        iterations = self._iterations
-        components = iterations.values if isinstance(iterations, DistributedVariable) else (iterations,)
-        return tuple(component._write_serial for component in components)
 
     def _iterations_count(self) -> int:
         """`iterations` as a Python int, read from the device only if something other than `apply` wrote it since
         the last step: reading it back would wait for every queued step, so GPU steps could never overlap."""
-        if self._counted is not None and self._counted[0] == self._iterations_serials():
-            return self._counted[1]
-        return int(self.iterations.numpy())
+        counted = self._counted
+        return counted[1] if counted and counted[0] == write_serials(self._iterations) else int(self.iterations.numpy())
 
     def _collect(self, component: Variable, groups: dict, grad: Any, *slots: Variable) -> None:
         """`extended.update`'s fn: files one copy of one variable, with its gradient on its device, by group."""

@@ -41,6 +41,12 @@ class VariableAggregation(enum.Enum):
     ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
 
 
+def write_serials(variable: Any) -> tuple[int, ...]:
+    """Changes whenever any copy of `variable` is written: while it stays, a host copy of the value stays right."""
+    components = variable.values if isinstance(variable, DistributedVariable) else (variable,)
+    return tuple(component._write_serial for component in components)
+
+
 def _idle_refcount() -> int:
     holder = type("Holder", (), {})()
     holder.buffer = np.empty(1)

@@ -38,6 +38,14 @@ class History:
         return cls(saved.step_loss[:steps], saved.epoch_end_step[:epochs], saved.test_accuracy[:epochs])
 
 
+def read_scalars(backend, device: str, values: list) -> list:
+    """Scalars on `device` as Python numbers, in one copy to the host (each read waits for the queued work)."""
+    if not values:
+        return []
+    with backend.device_scope(device):
+        return backend.to_host(backend.xp.stack(values)).tolist()
+
+
 def plot_history(history: History, path: Path) -> None:
     """Writes the loss curve (per step) above the test accuracy (per epoch) as a PNG, with matplotlib's Agg."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

@@ -30,7 +30,7 @@ from distrib.backends import detect, get_backend
 from distrib.backends.parallel import usable_cores
 from distrib.checkpoint import Checkpoint
 from distrib.cli.model import MLP
-from distrib.cli.progress import History, plot_history, progress_display
+from distrib.cli.progress import History, plot_history, progress_display, read_scalars
 from distrib.datasets import DIGITS_CLASSES, load_digits
 from distrib.errors import BackendUnavailableError, CheckpointError
 from distrib.mpi_env import mpi_environment
@@ -127,18 +127,11 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
     def evaluate() -> float:
         batches = strategy.experimental_distribute_dataset(test_batches(x_test, y_test, args.global_batch_size))
         counts = [on_device("SUM", strategy.run(count_correct, args=batch)) for batch in batches]
-        return sum(int(n) for n in read_all(counts)) / len(x_test)
+        return sum(int(n) for n in read_scalars(strategy.extended.backend, first_device, counts)) / len(x_test)
 
     def on_device(op: str, per_replica):
         """`per_replica` reduced across replicas onto the first local device: reading it would wait for the step."""
         return strategy.experimental_local_results(strategy.extended.reduce_to(op, per_replica, first_device))[0]
-
-    def read_all(values: list) -> list:
-        """Device scalars as Python numbers, in one copy to the host."""
-        if not values:
-            return []
-        with strategy.extended.backend.device_scope(first_device):
-            return strategy.extended.backend.to_host(xp.stack(values)).tolist()
 
     steps_per_epoch = len(x_train) // args.global_batch_size
     trained_samples, training_seconds = 0, 0.0
@@ -151,7 +144,7 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
             pending, shown = [], epoch_start  # losses still on the device; when the progress was last refreshed
 
             def show_pending() -> None:  # one read for many steps, so the device runs ahead of the host meanwhile
-                losses = read_all(pending)
+                losses = read_scalars(strategy.extended.backend, first_device, pending)
                 history.step_loss.extend(losses)
                 pending.clear()
                 if losses:
