@@ -68,3 +68,11 @@ def test_gpu_benchmarks_without_a_gpu_exit_2_saying_what_is_missing(command):
     result = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "GPU" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_gpu_check_skips_a_step_the_budget_has_no_time_left_for(tmp_path):
+    result = gpu_check("--stages", "versions", "--budget", "12", "--out", str(tmp_path / "out"),
+                       "--logs", str(tmp_path / "logs"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert summary.startswith("SKIP  versions  (no time left in the --budget of 12 s)")
