@@ -66,9 +66,10 @@ def measure(strategy, comm, kilobytes: int, seconds: float) -> dict:
     calls = comm.bcast(int(min(5000, max(50, seconds / ((time.perf_counter() - begin) / 5)))), root=0)
     samples: dict[str, list[float]] = {name: [] for name in COLUMNS}
     comm.Barrier()
-    for _ in range(calls):  # call by call, every rank in the same order
+    for _ in range(calls):  # call by call, every rank in the same order, started together
         for name in COLUMNS:
             step = steps[name]
+            comm.Barrier()
             start = time.perf_counter()
             step()
             samples[name].append((time.perf_counter() - start) * 1e6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import mmap
 import os
 import sys
 import threading
@@ -33,6 +34,18 @@ def _idle_refcount() -> int:
     for base in pool:
         return sys.getrefcount(base)
     raise AssertionError  # pragma: no cover
+
+
+def _mapped(nbytes: int) -> np.ndarray:
+    """A buffer in an anonymous private mapping of its own: page-aligned, on transparent huge pages where allowed.
+
+    Once glibc has freed one large block it serves later large requests from its heap, unaligned and on 4 KB
+    pages; MPI moved 1 to 16 MB into such buffers 1.2 to 1.5 times slower than into fresh mappings.
+    """
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(mapping, np.uint8)
 
 
 class BufferPool:
@@ -66,10 +79,12 @@ class BufferPool:
                 if sys.getrefcount(base) == self._IDLE:
                     break
             else:
-                base = np.empty(nbytes, np.uint8)
                 if len(bases) < self.MAX_PER_SIZE and self._total + nbytes <= self.MAX_TOTAL_BYTES:
+                    base = _mapped(nbytes)
                     bases.append(base)
                     self._total += nbytes
+                else:
+                    base = np.empty(nbytes, np.uint8)
             return base.view(dtype).reshape(shape)
 
     def clear(self) -> None:

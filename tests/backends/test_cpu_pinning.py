@@ -20,8 +20,11 @@ MIRRORED = [pytest.param(dict(), id="batched"),
 
 
 def memory_held(array: np.ndarray) -> int:
-    """The bytes `array` keeps alive: its own, or its base's when it is a view."""
-    return array.nbytes if array.base is None else memory_held(array.base)
+    """The bytes `array` keeps alive: its own, or its base's when it is a view (a pooled base maps memory)."""
+    base = array.base
+    if base is None:
+        return array.nbytes
+    return memory_held(base) if isinstance(base, np.ndarray) else memoryview(base).nbytes
 
 
 def keep_one_member(strategy, values, keep: int, steps: int) -> list[list[np.ndarray]]:
