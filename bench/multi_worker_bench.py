@@ -3,9 +3,10 @@
 Run it as `python bench/multi_worker_bench.py` (it relaunches itself under `mpirun -np 2`) or under your own
 `mpirun -np N python bench/multi_worker_bench.py --launched`. Each process drives one emulated replica, so every
 column moves the same bytes between the same processes; the raw column is `comm.Allreduce(src, dst, SUM)` on the
-very arrays distrib reduces. The columns are interleaved call by call (raw, reduce_to, run, raw, ...), every call
-timed on its own, so a core taken away by another job hits every column alike and shows up as an outlier that
-the median ignores. The target: distrib's median within 10 % of raw's from 1 MB (PASS/FAIL per row and column).
+very arrays distrib reduces. The columns are interleaved call by call (raw, reduce_to, run, raw, ...), every
+call started by a barrier and timed on its own, so a core taken away by another job hits every column alike and
+shows up as an outlier that the median ignores. The target: distrib's median within 10 % of raw's from 1 MB
+(PASS/FAIL per row and column).
 Rank 0 prints the table and writes the JSON to bench/results/multi-worker-<date>-cpu.json.
 """
 
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         cells = [f"{row[name]['median_us']:>{width},.1f} {row[name]['overhead']:>+9.1%} {row[name]['verdict']:>4}"
                  for name, width in (("reduce_to", 10), ("run", 15))]
-        print(f"{size_label(row['kilobytes']):>6} {row['calls']:>6} {row['raw']['median_us']:>9,.1f} {cells[0]} {cells[1]}")
+        print(f"{size_label(row['kilobytes']):>6} {row['calls']:>6} {row['raw']['median_us']:>9,.1f} {cells[0]} "
+              f"{cells[1]}")
     checked = [row for row in rows if row["kilobytes"] >= TARGET_FROM_KB]
     met = {name: all(row[name]["verdict"] == "PASS" for row in checked) for name in COLUMNS[1:]}
     print(f"target: within {TARGET_OVERHEAD:.0%} of raw from {size_label(TARGET_FROM_KB)}: "
@@ -134,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                     "cpus": os.cpu_count(), "mpi": MPI.Get_library_version().splitlines()[0].rstrip("\x00"),
                     "processes": comm.size, "replicas_per_process": 1,
                     "load_average": {"before": load_before[0], "after": load_after[0]}},
-        "method": "every call timed on rank 0, columns interleaved call by call; median, 25th percentile, fastest",
+        "method": "every call started by a barrier and timed on rank 0, columns interleaved call by call; median, "
+                  "25th percentile, fastest",
         "rows": rows, "target": {"overhead": TARGET_OVERHEAD, "from_kilobytes": TARGET_FROM_KB, "met": met},
         "note": "shared machine: other jobs ran at the same time, so timings are noisy"}, indent=2) + "\n")
     print(f"wrote {path}")

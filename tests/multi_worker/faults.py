@@ -1,9 +1,9 @@
 """Run under `mpirun -np 2`: rank 1 fails at the 3rd step, and rank 0 must get a typed error naming rank 1.
 
-argv[1] is the fault: "kill" (SIGKILL before the step's collective), "stall" (sleep instead of reaching it), or
-"kill-mid" (SIGKILL while both ranks are inside the MPI call of a 32 MB all-reduce), "stop-mid" (SIGSTOP there). argv[2] is the JSON file
-rank 0 writes the error it caught to; argv[3] the collective timeout in seconds. Inside an MPI call no error can
-be caught: rank 0's watchdog prints it and ends the process, and this program prints what it was doing.
+argv[1] is the fault: "kill" (SIGKILL before the step's collective), "stall" (sleep instead of reaching it),
+"kill-mid" (SIGKILL while both ranks are inside the MPI call of a 32 MB all-reduce) or "stop-mid" (SIGSTOP
+there). argv[2] is the JSON file rank 0 writes the error it caught to; argv[3] the collective timeout in seconds.
+Inside an MPI call no error can be caught: rank 0's watchdog prints it and ends the process.
 """
 
 from __future__ import annotations
@@ -51,15 +51,14 @@ try:
                 threading.Thread(target=signal_inside_the_next_call, args=(signum,), daemon=True).start()
             else:
                 time.sleep(3600)
-        if i == 2 and rank == 0:
-            print(f"rank 0 starts step {i} at {time.time():.3f}", flush=True)
         strategy.run(step)
         began = time.monotonic()
 except distrib.errors.DistribError as exc:
     report_path += f".{rank}"
     with open(report_path, "w") as file:
         json.dump({"type": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - began,
-                   "missing_ranks": list(getattr(exc, "missing_ranks", ())), "ranks": list(getattr(exc, "ranks", ()))}, file)
+                   "missing_ranks": list(getattr(exc, "missing_ranks", ())),
+                   "ranks": list(getattr(exc, "ranks", ()))}, file)
     try:  # the job is broken: a later collective fails at once instead of waiting again
         strategy.run(step)
     except distrib.errors.WorkerFailedError as later:
