@@ -41,7 +41,7 @@ class CallWatchdog:
         self._wake, self._wakeup = socket.socketpair()
         for sock in (self._wake, self._wakeup):
             sock.setblocking(False)
-        self.terminated = False  # SIGTERM arrived (mpirun is ending the job)
+        self.terminated_at: float | None = None  # when SIGTERM last arrived (mpirun ending the job)
         self.fired: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="distrib-mpi-watchdog", daemon=True)
 
@@ -54,6 +54,8 @@ class CallWatchdog:
                 previous = -1
             if previous != -1:
                 signal.set_wakeup_fd(previous)  # keep the program's; dead peers are still found by polling
+            else:  # a forked child has no watchdog: its signals must not wake the parent's
+                os.register_at_fork(after_in_child=_forget_wakeup_fd)
         self._thread.start()
 
     def _run(self) -> None:
@@ -61,7 +63,7 @@ class CallWatchdog:
             select.select([self._wake], [], [], POLL_SECONDS)
             try:
                 if signal.SIGTERM in self._wake.recv(256):
-                    self.terminated = True
+                    self.terminated_at = time.monotonic()
             except BlockingIOError:
                 pass
             self.check()
@@ -84,7 +86,8 @@ class CallWatchdog:
             time.sleep(GRACE_SECONDS)
             if channel.in_call is not call:
                 return None
-        if dead or self.terminated:
+        terminated = self.terminated_at is not None and self.terminated_at >= call.started  # earlier: raised
+        if dead or terminated:
             who = f"{group.describe(dead)} died" if dead else \
                 "the MPI launcher is ending the job (SIGTERM): another rank failed (it raised, aborted, or died on " \
                 "another host)"
@@ -114,6 +117,13 @@ class CallWatchdog:
 
     def __repr__(self) -> str:
         return f"<CallWatchdog rank={self.group.rank} alive={self._thread.is_alive()}>"
+
+
+def _forget_wakeup_fd() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread
+        pass
 
 
 def _exit(error: BaseException) -> None:
