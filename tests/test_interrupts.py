@@ -33,6 +33,13 @@ def copies_equal(variable):
 def replica_threads():
     return sum(t.name.startswith("distrib-replica-") and t.is_alive() for t in threading.enumerate())
 
+def settled_replica_threads(expected, timeout=10.0):
+    # an interrupted run's retired threads end on their own time: wait for them before counting
+    deadline = time.monotonic() + timeout
+    while replica_threads() != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return replica_threads()
+
 def report(**fields):
     print(json.dumps(fields), flush=True)
 """
@@ -85,7 +92,7 @@ while interrupts < {interrupts}:
         interrupts += 1
         report(equal=CHECK())
 STEP()  # still usable
-report(equal=CHECK(), threads=replica_threads())
+report(equal=CHECK(), threads=settled_replica_threads({threads}))
 """
 
 
@@ -95,7 +102,7 @@ def test_ctrl_c_during_cross_replica_updates_leaves_every_copy_equal():
             v = distrib.Variable(np.zeros(500_000, np.float32))  # each copy's update takes a while
         STEP = lambda: v.assign_add(np.float32(1))
         CHECK = lambda: copies_equal(v)
-    """, LOOP.format(interrupts=INTERRUPTS))
+    """, LOOP.format(interrupts=INTERRUPTS, threads=0))
     reports = interrupt_repeatedly(child)
     assert reports == [{"equal": True}] * INTERRUPTS
     assert child.read() == {"equal": True, "threads": 0}  # no run: no replica threads
@@ -114,7 +121,7 @@ def test_ctrl_c_during_training_steps_leaves_variables_and_slots_equal_and_threa
 
         STEP = lambda: strategy.run(train_step)
         CHECK = lambda: all(copies_equal(w) for w in weights) and copies_equal(optimizer.iterations)
-    """, LOOP.format(interrupts=INTERRUPTS))
+    """, LOOP.format(interrupts=INTERRUPTS, threads=4))
     reports = interrupt_repeatedly(child)
     assert reports == [{"equal": True}] * INTERRUPTS
     assert child.read() == {"equal": True, "threads": 4}
