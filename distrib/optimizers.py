@@ -11,6 +11,7 @@ from distrib import context
 from distrib.checkpoint import restore_deferred
 from distrib.interrupts import deferred_interrupts
 from distrib.options import ReduceOp
+from distrib.plan import dtype_name
 from distrib.values import DistributedValues, PerReplica
 from distrib.variables import DistributedVariable, MirroredVariable, Variable, VariableAggregation, write_serials
 
@@ -27,9 +28,16 @@ def _hyperparameter(value: Any, argument: str, interval: str = "[0, inf)") -> fl
     return float(value)
 
 
-def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    """Slots and update math use the variable's dtype, except float32 for float16 variables."""
-    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """Slots and update math use the variable's dtype, except float32 for 16-bit floats (float16, bfloat16)."""
+    return np.dtype(np.float32) if dtype_name(dtype) in ("float16", "bfloat16") else np.dtype(dtype)
+
+
+def check_trainable_dtype(var: Any) -> None:
+    """Optimizers update real floating-point variables: float16, bfloat16 (ml_dtypes), float32, float64."""
+    if var.dtype.kind != "f" and dtype_name(var.dtype) != "bfloat16":
+        raise TypeError(f"Optimizers update floating-point variables. Received: variable {var.name!r} of dtype "
+                        f"{var.dtype}.")
 
 
 class Optimizer:
@@ -195,7 +203,7 @@ class Optimizer:
 
     def _collect(self, component: Variable, groups: dict, grad: Any, *slots: Variable) -> None:
         """`extended.update`'s fn: files one copy of one variable, with its gradient on its device, by group."""
-        dtype = _compute_dtype(component.dtype)
+        dtype = compute_dtype(component.dtype)
         grad = self._strategy.extended.backend.to_device(grad, component.device).astype(dtype, copy=False)
         groups.setdefault((component.device, dtype), []).append((component, grad, slots))
 
@@ -238,7 +246,7 @@ class Optimizer:
                                         aggregation=VariableAggregation.ONLY_FIRST_REPLICA)
 
     def _create_slot(self, strategy: Any, var: Any, slot_name: str) -> Any:
-        zeros = np.zeros(var.shape, _compute_dtype(var.dtype))
+        zeros = np.zeros(var.shape, compute_dtype(var.dtype))
         name = f"{var.name}/{slot_name}"
         if not isinstance(var, Variable):  # a strategy's variable: the slot goes where it is
             with strategy.scope(), strategy.extended.colocate_vars_with(var):
@@ -265,9 +273,7 @@ def _check_variable(strategy: Any, var: Any, position: int) -> None:
     else:
         raise TypeError(f"Optimizers update distrib variables. Received: {type(var).__name__} at position "
                         f"{position}.")
-    if var.dtype.kind != "f":
-        raise TypeError(f"Optimizers update floating-point variables. Received: variable {var.name!r} of dtype "
-                        f"{var.dtype}.")
+    check_trainable_dtype(var)
 
 
 def _check_gradient_shape(grad: Any, var: Any) -> None:

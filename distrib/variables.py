@@ -23,6 +23,12 @@ from distrib.plan import is_inexact
 from distrib.values import DistributedValues, PerReplica, is_zero_scalar, register_leaf_type
 
 
+def check_numeric(dtype: Any) -> None:
+    """A variable holds numbers: booleans, integers, floats (ml_dtypes' bfloat16, NumPy kind 'V', included)."""
+    if dtype.kind in "OSUV" and dtype.name != "bfloat16":
+        raise TypeError(f"A variable holds a numeric array. Received: dtype {dtype}.")
+
+
 class VariableSynchronization(enum.Enum):
     """When a distributed variable's copies are brought in sync."""
 
@@ -130,8 +136,7 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
         value = self._backend.to_device(initial_value, device)
         if dtype is not None:
             value = value.astype(dtype, copy=False)
-        if value.dtype.kind in "OSUV" and value.dtype.name != "bfloat16":  # ml_dtypes' bfloat16 is kind 'V'
-            raise TypeError(f"A variable holds a numeric array. Received: dtype {value.dtype}.")
+        check_numeric(value.dtype)
         self._buffer = self._own(value)
         self._write_serial = 0  # changes at every write (see _writable): lets a reader keep a host copy of the value
         self.trainable = True if trainable is None else bool(trainable)

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from distrib.optimizers import check_trainable_dtype, compute_dtype
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.variable import ParameterServerVariable, Pending
 from distrib.parameter_server.write_tags import next_tag
@@ -51,7 +52,7 @@ def apply(strategy: Any, optimizer: Any, grads: list, variables: list) -> Any:
                 by_server.setdefault(shard._ps_index, []).append((shard, grad[a:b], [s.variables[i] for s in slots]))
         else:
             by_server.setdefault(var._ps_index, []).append((var, grad, slots))
-    dtypes = {_compute_dtype(var.dtype) for items in by_server.values() for var, _, _ in items}
+    dtypes = {compute_dtype(var.dtype) for items in by_server.values() for var, _, _ in items}
     coefficients = {dtype.str: optimizer._coefficients(dtype, step) for dtype in dtypes}
     pending = [call_on_server(items[0][0], _update_on_server, (rule, items, coefficients), {},
                               ("apply", iterations._key, ps_index)) for ps_index, items in sorted(by_server.items())]
@@ -64,13 +65,7 @@ def _check_variable(var: Any, position: int) -> None:
     if not isinstance(var, (ParameterServerVariable, ShardedVariable)):
         raise TypeError(f"Under a ParameterServerStrategy, optimizers update variables created in its scope. "
                         f"Received: {type(var).__name__} at position {position}.")
-    if var.dtype.kind != "f":
-        raise TypeError(f"Optimizers update floating-point variables. Received: variable {var.name!r} of dtype "
-                        f"{var.dtype}.")
-
-
-def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    return np.dtype(np.float32) if dtype == np.float16 else np.dtype(dtype)
+    check_trainable_dtype(var)
 
 
 def _update_rule(optimizer: Any) -> Any:
@@ -96,7 +91,7 @@ def _increment(iterations: Any) -> int:
 def _update_on_server(rule: Any, items: list, coefficients: dict) -> None:
     groups: dict[np.dtype, list] = {}
     for var, grad, slots in items:
-        dtype = _compute_dtype(var.dtype)
+        dtype = compute_dtype(var.dtype)
         groups.setdefault(dtype, []).append((var, np.asarray(grad).astype(dtype, copy=False), tuple(slots)))
     for dtype, group in groups.items():
         rule._update_device(np, group, coefficients[dtype.str])

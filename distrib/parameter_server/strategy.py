@@ -22,7 +22,7 @@ from distrib.parameter_server.variable import ParameterServerVariable
 from distrib.replica_context import ReplicaContext
 from distrib.strategy import Strategy
 from distrib.values import select_replica
-from distrib.variables import VariableAggregation, VariableSynchronization
+from distrib.variables import VariableAggregation, VariableSynchronization, check_numeric
 
 # Worker-side copies of strategies, by the id of the coordinator's strategy: every closure a worker runs
 # sees the same object, so optimizers' checks by identity hold there too.
@@ -153,8 +153,7 @@ class ParameterServerExtended(StrategyExtended):
         aggregation = coerce_enum(VariableAggregation, aggregation, "aggregation")
         value = np.asarray(initial_value() if callable(initial_value) else initial_value)
         value = np.array(value.astype(dtype, copy=False) if dtype is not None else value, order="C")
-        if value.dtype.kind in "OSUV":
-            raise TypeError(f"A variable holds a numeric array. Received: dtype {value.dtype}.")
+        check_numeric(value.dtype)
         name = name or "Variable"
         trainable = True if trainable is None else bool(trainable)
         cluster = strategy._cluster

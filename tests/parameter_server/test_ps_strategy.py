@@ -112,6 +112,22 @@ def test_optimizer_slots_live_beside_their_variables_and_updates_run_there(strat
     assert int(optimizer.iterations.numpy()) == 2
 
 
+def test_bfloat16_variables_train_on_the_servers_as_on_one_device(strategy):
+    bfloat16 = pytest.importorskip("ml_dtypes").bfloat16
+    with strategy.scope():
+        weights = distrib.Variable(np.linspace(-1, 1, 8).astype(bfloat16), name="bf16_weights")
+        optimizer = distrib.optimizers.Adam(learning_rate=0.1)
+        optimizer.build([weights])
+    reference = distrib.Variable(np.linspace(-1, 1, 8).astype(bfloat16))
+    reference_optimizer = distrib.optimizers.Adam(learning_rate=0.1)
+    gradient = np.full(8, 0.5, bfloat16)
+    for _ in range(2):
+        strategy.run(lambda: optimizer.apply_gradients([(gradient, weights)]))
+        reference_optimizer.apply_gradients([(gradient, reference)])
+    assert weights.dtype == bfloat16
+    np.testing.assert_array_equal(weights.numpy(), reference.numpy())
+
+
 def test_extended_update_runs_fn_on_the_server_holding_the_variable(strategy):
     with strategy.scope():
         v = distrib.Variable(np.arange(3, dtype=np.float32), name="updated")

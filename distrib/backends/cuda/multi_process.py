@@ -25,6 +25,7 @@ from distrib.backends.cuda import nccl as nccl_comms
 from distrib.backends.cuda.backend import CudaBackend
 from distrib.backends.process_group import ProcessGroup
 from distrib.mpi_env import mpi_environment
+from distrib.plan import is_inexact
 from distrib.errors import CollectiveError, DeadlineExceededError, WorkerFailedError
 
 
@@ -117,11 +118,11 @@ class MultiProcessCudaBackend(CudaBackend):
         count = self.group.num_replicas
         out = []
         for array in arrays:
-            with self._on(array.device.id):
-                if array.dtype.kind in "fc":
-                    array /= count
-                    out.append(array)
-                else:  # integer MEAN: SUM, then true division, as TensorFlow does
+            if is_inexact(array.dtype):  # bfloat16 too, which CuPy's own division does not know
+                self._divide_in_place([array], [array.device.id], count)
+                out.append(array)
+            else:  # integer MEAN: SUM, then true division, as TensorFlow does
+                with self._on(array.device.id):
                     out.append(array / count)
         return out
 
