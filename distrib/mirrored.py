@@ -14,12 +14,11 @@ replica thread that does not come back is retired and replaced, so the strategy 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 import weakref
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from distrib import context, timeline
 from distrib.backends import Backend, cuda_problem, detect, get_backend
@@ -31,7 +30,7 @@ from distrib.extended import StrategyExtended
 from distrib.interrupts import deferred_interrupts
 from distrib.options import CommunicationOptions, RunOptions, default_timeout
 from distrib.replica_context import ReplicaContext
-from distrib.replica_team import ReplicaTeam
+from distrib.replica_team import IdleThreadsTeam, ReplicaTeam
 from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, executing_worker,
                                      retire_all, wake_all)
 from distrib.strategy import Strategy
@@ -241,20 +240,13 @@ class MirroredExtended(StrategyExtended):
         with self._idle_threads_lent():
             return super()._reduce_to_host(op, value, axis)
 
-    @contextlib.contextmanager
-    def _idle_threads_lent(self) -> Iterator[None]:
-        """Lends the replica threads to a reduction called outside a run, when they are idle, so that its sums
-        are split as a merge's are; inside a merge the merge's own team is already lent. One thread has nothing to
-        split with."""
-        if lent_team() is not None or self._pid != os.getpid() or len(self._threads) < 2 or \
-                not self._run_lock.acquire(blocking=False):
-            yield
-            return
-        try:
-            with lend(ReplicaTeam(self._threads)):
-                yield
-        finally:
-            self._run_lock.release()
+    def _idle_threads_lent(self) -> lend:
+        """Lends the replica threads to a reduction called outside a run, so that its sums are split as a
+        merge's are; they are taken only for a call big enough to split, and only while no run holds them.
+        Inside a merge the merge's own team stays lent. One thread has nothing to split with."""
+        if lent_team() is not None or self._pid != os.getpid() or len(self._threads) < 2:
+            return lend(lent_team())
+        return lend(IdleThreadsTeam(self._threads, self._run_lock))
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):
         worker = executing_worker()

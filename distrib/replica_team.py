@@ -1,4 +1,4 @@
-"""The replica threads waiting at a merge_call, lent to the merge so that its host work runs on them too."""
+"""Replica threads lent to host work: those waiting at a merge_call (to the merge), or idle between runs."""
 
 from __future__ import annotations
 
@@ -85,3 +85,43 @@ class ReplicaTeam(Team):
         with self._lock:
             if self._error is None:
                 self._error = exc
+
+
+class IdleThreadsTeam(Team):
+    """A strategy's replica threads between runs, borrowed for one call at a time by work outside any run.
+
+    Each `run` takes the strategy's run lock without waiting, so a run in progress (or one that starts first)
+    keeps its threads, and the tasks then run one after another on the calling thread.
+
+    Args:
+      threads: the strategy's replica threads (its list: replaced threads are seen).
+      run_lock: the lock a run holds while it uses the threads.
+
+    Example:
+      >>> import threading
+      >>> team = IdleThreadsTeam([], threading.Lock())
+      >>> team.run([lambda: None])
+      >>> team
+      <IdleThreadsTeam size=1>
+    """
+
+    def __init__(self, threads: Sequence[Any], run_lock: Any):
+        self._threads, self._run_lock = threads, run_lock
+        self.size = len(threads) + 1
+
+    def __repr__(self) -> str:
+        return f"<IdleThreadsTeam size={self.size}>"
+
+    def run(self, tasks: Sequence[Callable[[], None]]) -> None:
+        acquired = False
+        try:
+            with deferred_interrupts():  # a Ctrl-C cannot land between taking the lock and `acquired`
+                acquired = self._run_lock.acquire(blocking=False)
+            if acquired:
+                ReplicaTeam(self._threads).run(tasks)
+            else:  # a run has the threads
+                for task in tasks:
+                    task()
+        finally:
+            if acquired:
+                self._run_lock.release()
