@@ -11,7 +11,7 @@ from distrib import context
 from distrib.checkpoint import restore_deferred
 from distrib.interrupts import deferred_interrupts
 from distrib.options import ReduceOp
-from distrib.plan import dtype_name
+from distrib.training_dtypes import check_trainable_dtype, compute_dtype
 from distrib.values import DistributedValues, PerReplica
 from distrib.variables import DistributedVariable, MirroredVariable, Variable, VariableAggregation, write_serials
 
@@ -26,18 +26,6 @@ def _hyperparameter(value: Any, argument: str, interval: str = "[0, inf)") -> fl
     if not (value >= 0 and below):
         raise ValueError(f"{argument} must be in {interval}. Received: {value}.")
     return float(value)
-
-
-def compute_dtype(dtype: np.dtype) -> np.dtype:
-    """Slots and update math use the variable's dtype, except float32 for 16-bit floats (float16, bfloat16)."""
-    return np.dtype(np.float32) if dtype_name(dtype) in ("float16", "bfloat16") else np.dtype(dtype)
-
-
-def check_trainable_dtype(var: Any) -> None:
-    """Optimizers update real floating-point variables: float16, bfloat16 (ml_dtypes), float32, float64."""
-    if var.dtype.kind != "f" and dtype_name(var.dtype) != "bfloat16":
-        raise TypeError(f"Optimizers update floating-point variables. Received: variable {var.name!r} of dtype "
-                        f"{var.dtype}.")
 
 
 class Optimizer:

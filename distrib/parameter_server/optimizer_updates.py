@@ -7,10 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from distrib.optimizers import check_trainable_dtype, compute_dtype
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.variable import ParameterServerVariable, Pending
 from distrib.parameter_server.write_tags import next_tag
+from distrib.training_dtypes import check_trainable_dtype, compute_dtype
 from distrib.values import DistributedValues
 
 
