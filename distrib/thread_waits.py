@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.thread
+import gc
 import sys
 import threading
 from types import FrameType
@@ -35,7 +36,7 @@ def wait_chain(waiters: Iterable[int], target: int) -> list[str] | None:
       >>> wait_chain([threading.get_ident()], threading.get_ident() + 1) is None
       True
     """
-    frames = sys._current_frames()
+    frames = _current_frames()
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     edges = _edges(frames)
     steps: dict[int, tuple[int, str]] = {}  # thread -> (the thread that waits for it, how)
@@ -52,6 +53,19 @@ def wait_chain(waiters: Iterable[int], target: int) -> list[str] | None:
                 return _describe(steps, target, names)
             todo.append(other)
     return None
+
+
+def _current_frames() -> dict[int, FrameType]:
+    """sys._current_frames() with the cyclic collector held off: where CPython lacks the fix of gh-106883 (3.11,
+    early 3.12), a collection started by a frame object it allocates runs with the interpreter's thread-list
+    lock held, and a threading.local freed by that collection takes the same lock: the process hangs for good."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _describe(steps: dict[int, tuple[int, str]], target: int, names: dict[int, str]) -> list[str]:

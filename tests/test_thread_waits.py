@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import subprocess
 import sys
 import threading
 import time
@@ -69,3 +70,39 @@ def test_waiting_for_all_futures_counts_and_waiting_with_a_timeout_does_not():
 
     assert chain_seen_from_inside(wait_for_all) == ["'waiter' waits in concurrent.futures.wait for 'pool_0'"]
     assert chain_seen_from_inside(wait_a_while, until=concurrent.futures.Future.result) is None
+
+
+HOLDS_LOCALS_IN_GARBAGE = """
+import gc, threading, time
+from distrib.thread_waits import wait_chain
+
+stop = threading.Event()
+def nap():  # a fresh frame each time: reading the stacks has to allocate frame objects
+    time.sleep(0.0002)
+def busy():
+    while not stop.is_set():
+        nap()
+threads = [threading.Thread(target=busy) for _ in range(4)]
+for thread in threads:
+    thread.start()
+
+class Holder:
+    pass
+
+gc.set_threshold(1)  # a collection at every allocation
+for _ in range(2000):
+    for _ in range(5):  # cyclic garbage holding a threading.local
+        holder = Holder(); holder.local = threading.local(); holder.local.x = 1; holder.me = holder
+    del holder
+    wait_chain([thread.ident for thread in threads], -1)
+stop.set()
+print("done")
+"""
+
+
+def test_reading_the_stacks_while_garbage_holds_thread_locals_never_hangs():
+    # CPython 3.11 collects garbage inside sys._current_frames() with its thread-list lock held; a threading.local
+    # freed there takes that lock again and the process hangs for good (this hung the test suite once)
+    done = subprocess.run([sys.executable, "-c", HOLDS_LOCALS_IN_GARBAGE], capture_output=True, text=True,
+                          timeout=25)
+    assert done.stdout.strip() == "done", done.stderr
