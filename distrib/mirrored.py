@@ -231,22 +231,20 @@ class MirroredExtended(StrategyExtended):
             raise
 
     def _batch_reduce_to(self, op, pairs, options):
-        if len(self._threads) < 2:  # nothing to lend; skipping the context manager saves ~10 µs a call
-            return super()._batch_reduce_to(op, pairs, options)
-        with self._idle_threads_lent():
-            return super()._batch_reduce_to(op, pairs, options)
+        return self._on_idle_threads(super()._batch_reduce_to, op, pairs, options)
 
     def _reduce_to_host(self, op, value, axis):
-        with self._idle_threads_lent():
-            return super()._reduce_to_host(op, value, axis)
+        return self._on_idle_threads(super()._reduce_to_host, op, value, axis)
 
-    def _idle_threads_lent(self) -> lend:
-        """Lends the replica threads to a reduction called outside a run, so that its sums are split as a
-        merge's are; they are taken only for a call big enough to split, and only while no run holds them.
-        Inside a merge the merge's own team stays lent. One thread has nothing to split with."""
-        if lent_team() is not None or self._pid != os.getpid() or len(self._threads) < 2:
-            return lend(lent_team())
-        return lend(IdleThreadsTeam(self._threads, self._run_lock))
+    def _on_idle_threads(self, reduction: Any, *args: Any) -> Any:
+        """`reduction(*args)` with the replica threads lent to it, so that a reduction called outside a run splits
+        its sums as a merge does; they are taken only for a call big enough to split, and only while no run holds
+        them. Inside a merge the merge's own team stays lent; one thread has nothing to split with, a forked
+        child no threads; then no context is entered at all (it would cost ~10 µs a call)."""
+        if len(self._threads) < 2 or lent_team() is not None or self._pid != os.getpid():
+            return reduction(*args)
+        with lend(IdleThreadsTeam(self._threads, self._run_lock)):
+            return reduction(*args)
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):
         worker = executing_worker()

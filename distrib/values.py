@@ -135,12 +135,17 @@ def select_replica(replica_id: int, structure: Any) -> Any:
     return _select(structure, (replica_id,), replica_id + 1)[0]
 
 
+def _is_empty(structure: Any) -> bool:
+    """None, () or {}: a structure with no leaf, which the replica paths pass through as it is."""
+    return structure is None or (type(structure) in (tuple, dict) and not structure)
+
+
 def select_replicas(structure: Any, count: int) -> list[Any]:
     """`[select_replica(i, structure) for i in range(count)]`, flattening the structure only once.
 
     Raises ValueError when a distributed leaf has not exactly `count` components.
     """
-    if structure is None or (type(structure) in (tuple, dict) and not structure):  # no args; a merge_fn's None
+    if _is_empty(structure):  # no args; a merge_fn's None
         return [structure] * count
     return _select(structure, range(count), count, exact=True)
 
@@ -193,8 +198,7 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
       ValueError: the replicas' structures differ; the message names the replica and the path.
     """
     first = per_replica[0]
-    if (first is None or (type(first) in (tuple, dict) and not first)) and \
-            all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine: None, (), {}
+    if _is_empty(first) and all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine
         return {} if type(first) is dict else first
     kind = type(first)
     if kind in _LEAF_TYPES and len(per_replica) > 1 and per_replica[1] is not first and \

@@ -163,8 +163,7 @@ def test_a_reduction_outside_a_run_shares_its_sums_with_the_idle_replica_threads
         with lock:
             ran_on.add(threading.current_thread().name)
 
-    with strategy.extended._idle_threads_lent():
-        run_shares(LARGE, 4, body)
+    strategy.extended._on_idle_threads(run_shares, LARGE, 4, body)
     assert threading.current_thread().name in ran_on
     assert any(name.startswith("distrib-replica-") for name in ran_on)
 

@@ -16,7 +16,7 @@ import numpy as np
 from distrib import timeline
 from distrib.backends.base import Backend
 from distrib.backends.member_copies import MemberCopies
-from distrib.backends.packed import execute_pack_by_pack
+from distrib.backends.packed import execute_pack_by_pack, member_views
 from distrib.backends.parallel import MIN_SHARE_BYTES, run_shares, run_split
 from distrib.backends.torch_tensors import exportable, is_torch_tensor, torch_device
 from distrib.devices import parse_device
@@ -26,6 +26,11 @@ from distrib.plan import NCCL, Buffer
 DEFAULT_REPLICAS = 2
 # Copies of members smaller than this on average hold the GIL between members for too long to overlap on threads.
 SMALL_COPY_BYTES = MIN_SHARE_BYTES // 4
+
+
+def _copies_overlap(nbytes: int, members: int) -> bool:
+    """Whether copying `members` arrays of `nbytes` in all is worth spreading over threads (see SMALL_COPY_BYTES)."""
+    return nbytes >= members * SMALL_COPY_BYTES
 
 
 def _idle_refcount() -> int:
@@ -239,10 +244,10 @@ class CpuBackend(Backend):
         3,000 packs. A copy keeps only itself; it comes from the pool when large and stays read-only when the
         pack is, so that results are as immutable as TensorFlow's tensors.
         """
-        views = [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
+        views = member_views(flat, buffer)
         if len(views) == 1:
             return views  # the member is the whole pack: it keeps only itself alive
-        if flat.nbytes < len(views) * SMALL_COPY_BYTES:
+        if not _copies_overlap(flat.nbytes, len(views)):
             copies = [view.copy() for view in views]
         else:
             copies = [self._pool.empty(view.shape, view.dtype) for view in views]
@@ -263,7 +268,7 @@ class CpuBackend(Backend):
             return [self.unpack(flat, buffer) for flat in flats]
         with timeline.span("unpack", "pack"):
             return self._member_copies.unpack(first, buffer, len(flats), run_split,
-                                              on_threads=first.nbytes >= len(buffer.members) * SMALL_COPY_BYTES)
+                                              on_threads=_copies_overlap(first.nbytes, len(buffer.members)))
 
     def execute(self, plan, per_device, devices, *, timeout=None):
         if plan.method == NCCL:  # as TensorFlow fails at collective time on a machine without GPUs
@@ -277,7 +282,7 @@ class CpuBackend(Backend):
         """Every device's pack at once, devices spread over the threads the strategy lends (replica r packs
         its own values where there are enough threads)."""
         # One member is a view of it, nothing to copy; small members are packed on the merge thread.
-        if len(buffer.members) == 1 or buffer.nbytes < len(buffer.members) * SMALL_COPY_BYTES:
+        if len(buffer.members) == 1 or not _copies_overlap(buffer.nbytes, len(buffer.members)):
             return [self.pack(arrays, buffer, device) for arrays, device in zip(members, devices)]
         flats = [self._pool.empty((buffer.size,), buffer.dtype) for _ in devices]
 

@@ -29,6 +29,19 @@ _MPI_TYPES = {
 }
 
 
+def mpi_datatype(MPI: Any, dtype: Any) -> Any | None:
+    """MPI's predefined datatype for `dtype` (mpi4py's module `MPI`), or None where MPI has none (float16, bfloat16).
+
+    Example:
+      >>> import types
+      >>> MPI = types.SimpleNamespace(INT32_T="MPI_INT32_T")  # stands in for mpi4py.MPI
+      >>> mpi_datatype(MPI, np.int32), mpi_datatype(MPI, np.float16)
+      ('MPI_INT32_T', None)
+    """
+    entry = _MPI_TYPES.get(dtype_name(dtype))
+    return None if entry is None else getattr(MPI, entry[0])
+
+
 class MpiBackend(CpuBackend):
     """NumPy arrays on this process's emulated devices; collectives span every replica of every MPI rank.
 
@@ -51,8 +64,8 @@ class MpiBackend(CpuBackend):
         entry = self._wires.get(dtype)
         if entry is None:
             MPI = self.group.MPI
-            mpi_type, op = _MPI_TYPES.get(dtype_name(dtype), (None, "SUM"))
-            entry = self._wires[dtype] = (getattr(MPI, mpi_type) if mpi_type else None, getattr(MPI, op))
+            op = _MPI_TYPES.get(dtype_name(dtype), (None, "SUM"))[1]
+            entry = self._wires[dtype] = (mpi_datatype(MPI, dtype), getattr(MPI, op))
         return entry
 
     def _buffer(self, array: np.ndarray) -> tuple[np.ndarray, list]:

@@ -14,6 +14,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from distrib.backends.base import Backend
 
 
+def member_views(flat: Any, buffer: Buffer) -> list:
+    """Views of `flat`, one per member of `buffer`, in the members' shapes (no copy)."""
+    return [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
+
+
 PackAll = Callable[[Sequence[Sequence[Any]], Buffer, Sequence[str]], list]  # every device's members -> flats
 
 

@@ -127,15 +127,17 @@ class ProcessGroup:
 
     def dead_local_ranks(self) -> tuple[int, ...]:
         """Ranks on this host whose process no longer exists."""
-        here = socket.gethostname()
-        return tuple(r for r in range(self.size) if r != self.rank and self.hosts[r] == here
-                     and not _alive(self.pids[r]))
+        return self._local_peers_whose(lambda pid: not _alive(pid))
 
     def stopped_local_ranks(self) -> tuple[int, ...]:
         """Ranks on this host whose process is stopped (SIGSTOP, a debugger): they stall without dying."""
+        return self._local_peers_whose(lambda pid: _state(pid) in ("T", "t"))
+
+    def _local_peers_whose(self, condition: Any) -> tuple[int, ...]:
+        """The other ranks on this host whose process id satisfies `condition` (only local pids can be looked at)."""
         here = socket.gethostname()
         return tuple(r for r in range(self.size) if r != self.rank and self.hosts[r] == here
-                     and _state(self.pids[r]) in ("T", "t"))
+                     and condition(self.pids[r]))
 
     def __repr__(self) -> str:
         return f"<ProcessGroup rank={self.rank} size={self.size} replicas={self.replica_counts}>"

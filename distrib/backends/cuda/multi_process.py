@@ -25,8 +25,8 @@ from distrib.backends.cuda import nccl as nccl_comms
 from distrib.backends.cuda.backend import CudaBackend
 from distrib.backends.process_group import ProcessGroup
 from distrib.mpi_env import mpi_environment
-from distrib.plan import is_inexact
 from distrib.errors import CollectiveError, DeadlineExceededError, WorkerFailedError
+from distrib.plan import is_inexact
 
 
 def local_gpus(count: int, local_rank: int, local_size: int) -> list[int]:
@@ -71,7 +71,6 @@ class JobCommunicators(nccl_comms.Communicators):
                                       f"{list(ordinals)}): {exc}.", operation=operation, status=exc.status) from exc
             self._groups[ordinals] = comms
         return comms
-
 
     def _announce(self, operation: str) -> int:
         return self._group.announce()

@@ -18,15 +18,11 @@ import sys
 import threading
 from typing import Any, Callable
 
+from distrib.backends.packed import member_views
 from distrib.plan import Buffer
 
 Empty = Callable[[Any, Any], Any]  # (shape, dtype) -> a new array on the current device
 MAX_ENTRIES = 512  # (buffer, replica, GPU) outputs remembered; plans beyond that are rare and just allocate
-
-
-def member_views(flat: Any, buffer: Buffer) -> list:
-    """Views of `flat`, one per member of `buffer`, in the members' shapes."""
-    return [flat[span] if shape is None else flat[span].reshape(shape) for span, shape in buffer.views]
 
 
 def _counts(array: Any) -> tuple:

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", default=None, help="plot bus bandwidth against size")
 
 
-def _fail(parser_name: str, message: str) -> SystemExit:
+def _fail(message: str) -> SystemExit:
     print(f"distrib bench: error: {message}", file=sys.stderr)
     return SystemExit(2)
 
@@ -68,9 +68,9 @@ def check_arguments(args: argparse.Namespace) -> None:
                              ("-f", args.stepfactor, 1), ("-r", args.root, 0), ("--array-bytes", args.array_bytes, 1),
                              ("-g", 1 if args.ngpus is None else args.ngpus, 1)):
         if value < low:
-            raise _fail("bench", f"{flag} must be at least {low}. Received: {value}.")
+            raise _fail(f"{flag} must be at least {low}. Received: {value}.")
     if args.minbytes > args.maxbytes:
-        raise _fail("bench", f"invalid sizes for 'minbytes' and 'maxbytes': {args.minbytes} > {args.maxbytes}")
+        raise _fail(f"invalid sizes for 'minbytes' and 'maxbytes': {args.minbytes} > {args.maxbytes}")
     args.bytes_per_pack = [parse_size(v) for v in str(args.bytes_per_pack).split(",") if v.strip()]
 
 
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         passes, notes = combinations(args.datatype, args.op, args.collective, collective.reduces)
     except SweepError as exc:
-        raise _fail("bench", str(exc)) from None
+        raise _fail(str(exc)) from None
     kind = detect()
     backend = get_backend(kind)
     strategy, job, devices = _strategy(args, kind, backend)
@@ -221,18 +221,18 @@ def _strategy(args, kind: str, backend) -> tuple:
         try:
             strategy, job = multi_worker(args.ngpus, kind)
         except ValueError as exc:
-            raise _fail("bench", str(exc)) from None
+            raise _fail(str(exc)) from None
         devices = list(strategy.extended.worker_devices)
     else:
         count = args.ngpus or len(backend.default_devices())
         if kind == "cuda" and count > len(backend.default_devices()):
-            raise _fail("bench", f"-g {count} asks for more GPUs than the {len(backend.default_devices())} visible.")
+            raise _fail(f"-g {count} asks for more GPUs than the {len(backend.default_devices())} visible.")
         devices = [f"{'GPU' if kind == 'cuda' else 'CPU'}:{i}" for i in range(count)]
         strategy, job = distrib.MirroredStrategy(devices), Job(None, 0, count, count)
     if args.root >= job.ranks:
-        raise _fail("bench", f"-r must name a rank below the {job.ranks} ranks. Received: {args.root}.")
+        raise _fail(f"-r must name a rank below the {job.ranks} ranks. Received: {args.root}.")
     if job.processes > 1 and args.collective == "broadcast" and args.root >= job.local:
-        raise _fail("bench", f"under mpirun, broadcast's root must be one of rank 0's {job.local} devices: "
+        raise _fail(f"under mpirun, broadcast's root must be one of rank 0's {job.local} devices: "
                              f"MultiWorkerMirroredStrategy broadcasts from the chief. Received: -r {args.root}.")
     return strategy, job, devices
 

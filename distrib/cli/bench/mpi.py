@@ -12,19 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from distrib.backends.mpi import mpi_datatype
 from distrib.cli.bench.runners import Prepared, RowSpec, sum_in_order
-
-
-def mpi_type(MPI: Any, dtype: np.dtype) -> Any | None:
-    """MPI's predefined datatype for `dtype`, or None where MPI has none (float16, bfloat16)."""
-    if dtype.kind not in "iufc":  # ml_dtypes' bfloat16
-        return None
-    try:
-        kind = MPI.Datatype.fromcode(dtype.char)
-        kind.Get_size()  # Open MPI names float16 MPIX_C_FLOAT16 but does not provide it: MPI_ERR_TYPE
-    except (MPI.Exception, KeyError, ValueError):
-        return None
-    return kind
 
 
 class MpiSeries:
@@ -50,7 +39,7 @@ class MpiSeries:
 
     def prepare(self, spec: RowSpec) -> Prepared | None:
         MPI, comm, name = self.MPI, self.comm, spec.collective.name
-        kind = mpi_type(MPI, np.dtype(spec.dtype))
+        kind = mpi_datatype(MPI, spec.dtype)
         if kind is None and spec.collective.reduces:
             return None
         local, count = list(spec.local_ranks), spec.layout.send_count
