@@ -4,7 +4,8 @@ A `run` is a sequence of phases. In each phase every replica thread runs its fun
 or reaches a collective (every collective is a merge_call); once all have reported, the calling thread runs
 replica 0's merge function once, in the cross-replica context, hands each replica its share, and starts the
 next phase. Replica threads run concurrently, as TensorFlow's replicas do inside a tf.function, so NumPy and
-CuPy work in different replicas overlaps; Python state shared between replicas needs a lock.
+CuPy work in different replicas overlaps; Python state shared between replicas needs a lock. A single local
+replica has nothing to overlap with: without a run deadline it runs on the calling thread.
 
 Failure handling: the first exception in a replica (or in a merge function) stops the run; replicas waiting
 at a collective are woken and unwound, and the exception reaches the caller of `run` with the replica id in
@@ -50,6 +51,8 @@ class MirroredExtended(StrategyExtended):
         self._threads: list[ReplicaThread] = []
         self._run_lock = threading.Lock()
         self._running_thread: int | None = None
+        self._inline: ReplicaContext | None = None  # the replica context of a run on the calling thread
+        self._merge_error: BaseException | None = None  # the last error a merge raised in that run
         self._default_timeout = default_timeout()
         self._pid = os.getpid()
         self._closed = False
@@ -82,6 +85,8 @@ class MirroredExtended(StrategyExtended):
         if self._running_thread == threading.get_ident():
             # run from a merge_fn: the replica threads wait in the merge, so this run gets threads of its own
             # (TensorFlow starts threads for every run, so nesting works there too)
+            if deadline is None and len(self._devices) == 1:
+                return self._run_inline(fn, args, kwargs)
             threads = [ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices)]
             try:
                 return self._run(fn, args, kwargs, threads, deadline)
@@ -107,6 +112,8 @@ class MirroredExtended(StrategyExtended):
                 raise ContextError(f"{self._container_strategy!r} is closed: create a new strategy to run again.")
             self._running_thread = threading.get_ident()
             with timeline.span("run", "run"):
+                if deadline is None and len(self._devices) == 1:
+                    return self._run_inline(fn, args, kwargs)
                 return self._run(fn, args, kwargs, self._ensure_threads(), deadline)
         finally:
             if acquired:
@@ -159,6 +166,36 @@ class MirroredExtended(StrategyExtended):
             for worker in threads:
                 worker.run = None
             run.drop_references()
+
+    def _run_inline(self, fn, args, kwargs):
+        """One local replica and no run deadline: `fn` runs on the calling thread, each merge_call at once.
+
+        Nothing can run beside a single replica, so a thread for it would only add two handoffs (~100-150 µs) to
+        every run and every merge_call: the single-GPU case, and one process per GPU under mpirun.
+        """
+        strategy = self._container_strategy
+        first = self._first_local_replica
+        replica = ReplicaContext(strategy, first, first)
+        args, kwargs = select_replicas(args, 1)[0], select_replicas(kwargs, 1)[0]
+        outer, self._inline = self._inline, replica
+        try:
+            with self._backend.device_scope(self._devices[0]), context.frame(strategy, replica):
+                result = fn(*args, **kwargs)
+        except BaseException as exc:
+            if not isinstance(exc, KeyboardInterrupt) and exc is not self._merge_error:
+                _name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
+            raise
+        finally:
+            self._inline, self._merge_error = outer, None
+        return regroup([result])
+
+    def _merge_inline(self, kind: str, merge: Any, payload: Any) -> Any:
+        try:
+            with context.frame(self._container_strategy, None), timeline.span(kind, "merge_call"):
+                return list(merge([payload]))[0]
+        except BaseException as exc:
+            self._merge_error = exc
+            raise
 
     def _wait_for_phase(self, run: Run, threads: list[ReplicaThread]) -> None:
         while not run.phase_done.acquire(timeout=_POLL_SECONDS):
@@ -247,6 +284,10 @@ class MirroredExtended(StrategyExtended):
             return reduction(*args)
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):
+        inline = self._inline
+        if inline is not None and self._running_thread == threading.get_ident() and \
+                context.current().replica_context is inline:
+            return self._merge_inline(kind, merge, payload)
         worker = executing_worker()
         run = None if worker is None else worker.current
         if run is None or run.strategy is not self._container_strategy or worker.replica_id != replica_id:

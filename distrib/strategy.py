@@ -74,6 +74,9 @@ class Strategy:
             options: RunOptions | None = None) -> Any:
         """Calls `fn(*args, **kwargs)` once per replica, each in its own thread and replica context.
 
+        A strategy with a single local replica (one device; one per process under mpirun) calls `fn` on the
+        calling thread instead, unless `options` set a timeout: nothing would run beside it.
+
         `PerReplica` leaves of `args`/`kwargs` are unwrapped to the replica's component. Results are regrouped:
         values that differ per replica become `PerReplica`, the same object everywhere is returned as is.
 
