@@ -20,6 +20,7 @@ _NAMESPACE = "distrib"
 _LEAF_TYPES: set[type] = {int, float, complex, bool, str, bytes}
 _FLAT_SPECS: dict[tuple[type, int], optree.PyTreeSpec] = {}
 _DICT_SPECS: dict[tuple[str, ...], tuple[optree.PyTreeSpec, list[str]]] = {}
+_LEAF_SPEC = optree.tree_structure(0, namespace=_NAMESPACE)
 
 
 def register_leaf_type(cls: type) -> None:
@@ -30,6 +31,8 @@ def register_leaf_type(cls: type) -> None:
 def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Leaves of a nested structure and the spec that rebuilds it."""
     kind = type(structure)
+    if kind in _LEAF_TYPES:  # one array: the usual argument and result of a step
+        return [structure], _LEAF_SPEC
     if (kind is list or kind is tuple) and all(type(x) in _LEAF_TYPES for x in structure):
         key = (kind, len(structure))
         spec = _FLAT_SPECS.get(key)
@@ -151,6 +154,8 @@ def select_replicas(structure: Any, count: int) -> list[Any]:
 
 
 def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool = False) -> list[Any]:
+    if type(structure) in _LEAF_TYPES and not isinstance(structure, DistributedValues):  # the same everywhere
+        return [structure] * len(replica_ids)
     if type(structure) is tuple and any(type(x) is not PerReplica for x in structure):
         # run()'s args: each argument on its own keeps a flat list of per-replica values on the fast path
         return [tuple(args) for args in zip(*(_select(x, replica_ids, count, exact) for x in structure))] or \
@@ -201,6 +206,8 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     if _is_empty(first) and all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine
         return {} if type(first) is dict else first
     kind = type(first)
+    if kind in _LEAF_TYPES and len(per_replica) == 1 and not always_wrap:  # one replica's array: itself
+        return first
     if kind in _LEAF_TYPES and len(per_replica) > 1 and per_replica[1] is not first and \
             all(type(x) is kind for x in per_replica):  # one distinct array per replica: the usual result of a run
         return wrap_class._wrap(tuple(per_replica))
