@@ -3,7 +3,9 @@
 Run it as `python bench/multi_worker_bench.py` (it relaunches itself under `mpirun -np 2`) or under your own
 `mpirun -np N python bench/multi_worker_bench.py --launched`. Each process drives one emulated replica, so every
 column moves the same bytes between the same processes; the raw column is `comm.Allreduce(src, dst, SUM)` on the
-very arrays distrib reduces. The columns are interleaved call by call (raw, reduce_to, run, raw, ...), every
+very arrays distrib reduces; `backend` is the MPI backend's `all_reduce` of that array alone (the transport layer,
+as bench/nccl_bench.py times the CUDA backend), `reduce_to` and `run` the strategy's API on top of it. The columns
+are interleaved call by call (raw, backend, reduce_to, run, raw, ...), every
 call started by a barrier and timed on its own, so a core taken away by another job hits every column alike and
 shows up as an outlier that the median ignores. The target: distrib's median within 10 % of raw's from 1 MB
 (PASS/FAIL per row and column).
@@ -32,7 +34,8 @@ sys.path.insert(0, str(BENCH.parent))  # benchmark the checkout this file belong
 SIZES_KB = (64, 1024, 4096, 16384)  # the target applies from 1 MB
 TARGET_FROM_KB, TARGET_OVERHEAD = 1024, 0.10
 SECONDS_PER_COLUMN = 2.0  # calls per size: about this long for each column, at least 50
-COLUMNS = ("raw", "reduce_to", "run")
+COLUMNS = ("raw", "backend", "reduce_to", "run")
+HEADINGS = {"backend": "backend", "reduce_to": "reduce_to", "run": "run+all_reduce"}
 
 
 def relaunch(processes: int, argv: list[str]) -> int:
@@ -53,11 +56,14 @@ def measure(strategy, comm, kilobytes: int, seconds: float) -> dict:
     raw_out = np.empty_like(source)
     per_replica = strategy.experimental_distribute_values_from_function(lambda ctx: source)
     extended = strategy.extended
+    backend, devices = extended.backend, list(extended.worker_devices)
     steps = {"raw": lambda: comm.Allreduce(source, raw_out),
+             "backend": lambda: backend.all_reduce([source], ((0, elements),), devices, False),
              "reduce_to": lambda: extended.reduce_to("SUM", per_replica, destinations=per_replica),
              "run": lambda: strategy.run(lambda x: distrib.get_replica_context().all_reduce("SUM", x),
                                          args=(per_replica,))}
     steps["raw"]()
+    np.testing.assert_allclose(steps["backend"]()[0], raw_out, rtol=1e-6)
     for name in ("reduce_to", "run"):
         np.testing.assert_allclose(strategy.experimental_local_results(steps[name]())[0], raw_out, rtol=1e-6)
     comm.Barrier()
@@ -118,13 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"all-reduce of float32 across {comm.size} processes, 1 emulated replica each: µs per call, median of the "
           f"calls (interleaved call by call; raw = mpi4py Allreduce on the same arrays); load average "
           f"{load_before[0]:.1f} before, {load_after[0]:.1f} after")
-    print(f"{'size':>6} {'calls':>6} {'raw':>9} {'reduce_to':>10} {'overhead':>9} {'':>4} {'run+all_reduce':>15} "
-          f"{'overhead':>9} {'':>4}")
+    print(f"{'size':>6} {'calls':>6} {'raw':>9} " + " ".join(f"{HEADINGS[name]:>15} {'overhead':>9} {'':>4}"
+                                                           for name in COLUMNS[1:]))
     for row in rows:
-        cells = [f"{row[name]['median_us']:>{width},.1f} {row[name]['overhead']:>+9.1%} {row[name]['verdict']:>4}"
-                 for name, width in (("reduce_to", 10), ("run", 15))]
-        print(f"{size_label(row['kilobytes']):>6} {row['calls']:>6} {row['raw']['median_us']:>9,.1f} {cells[0]} "
-              f"{cells[1]}")
+        cells = [f"{row[name]['median_us']:>15,.1f} {row[name]['overhead']:>+9.1%} {row[name]['verdict']:>4}"
+                 for name in COLUMNS[1:]]
+        print(f"{size_label(row['kilobytes']):>6} {row['calls']:>6} {row['raw']['median_us']:>9,.1f} " + " ".join(cells))
     checked = [row for row in rows if row["kilobytes"] >= TARGET_FROM_KB]
     met = {name: all(row[name]["verdict"] == "PASS" for row in checked) for name in COLUMNS[1:]}
     print(f"target: within {TARGET_OVERHEAD:.0%} of raw from {size_label(TARGET_FROM_KB)}: "
