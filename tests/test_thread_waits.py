@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from distrib.thread_waits import wait_chain
+from distrib.thread_waits import _current_frames, wait_chain
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -24,7 +24,8 @@ def chain_seen_from_inside(start_waiting, until=None) -> list[str] | None:
     def target():
         deadline = time.monotonic() + 5
         while True:
-            settled = until is not None and any(waiting_in(f, until) for f in sys._current_frames().values())
+            # the collector held off, as the library reads stacks (CPython 3.11 can deadlock otherwise)
+            settled = until is not None and any(waiting_in(f, until) for f in _current_frames().values())
             chain = wait_chain([waiter.ident], threading.get_ident())
             if chain is not None or settled or time.monotonic() > deadline:
                 seen.append(chain)
@@ -74,7 +75,7 @@ def test_waiting_for_all_futures_counts_and_waiting_with_a_timeout_does_not():
 
 HOLDS_LOCALS_IN_GARBAGE = """
 import gc, threading, time
-from distrib.thread_waits import wait_chain
+from distrib.thread_waits import _current_frames, wait_chain
 
 stop = threading.Event()
 def nap():  # a fresh frame each time: reading the stacks has to allocate frame objects
