@@ -126,12 +126,16 @@ class SilentProgress(PlainProgress):
         pass
 
 
-def progress_display(quiet: bool = False) -> PlainProgress:
-    """Rich bars on a terminal, else plain lines; says once when rich is missing; nothing when `quiet`."""
+def progress_display(quiet: bool = False, plain: bool = False) -> PlainProgress:
+    """Rich bars on a terminal, else plain lines; says once when rich is missing; nothing when `quiet`.
+
+    `plain` asks for plain lines even on a terminal: an MPI launcher gives its ranks a pseudo-terminal whatever
+    its own output is, where a live bar's redraws (how many depends on timing) would fill the job's log.
+    """
     if quiet:
         return SilentProgress()
     if importlib.util.find_spec("rich") is None:
         print("distrib train: rich is not installed, so no progress bar (pip install 'distrib[train]').",
               file=sys.stderr)
         return PlainProgress()
-    return RichProgress() if sys.stdout.isatty() else PlainProgress()
+    return RichProgress() if sys.stdout.isatty() and not plain else PlainProgress()

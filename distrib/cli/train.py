@@ -136,7 +136,7 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
     steps_per_epoch = len(x_train) // args.global_batch_size
     trained_samples, training_seconds = 0, 0.0
     saved = str(checkpoint_path)
-    with progress_display(quiet=not chief) as progress:
+    with progress_display(quiet=not chief, plain=mpi_environment() is not None) as progress:
         for epoch_index in range(int(epoch.numpy()), args.epochs):
             progress.start_epoch(epoch_index, args.epochs, steps_per_epoch)
             batches = epoch_batches(x_train, y_train, args.global_batch_size, args.seed, epoch_index)
