@@ -49,6 +49,58 @@ class DLPackOnly:
         return self._array.__dlpack_device__()
 
 
+class CupyLike:
+    """A CuPy array as the emulator sees one, without a GPU: `__cuda_array_interface__`, a CUDA DLPack device, and
+    `get()`, CuPy's copy to the host."""
+
+    def __init__(self, array, device_id=0):
+        self._array, self._device_id = np.asarray(array), device_id
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self._array.shape, "typestr": self._array.dtype.str, "data": (0, False), "version": 3}
+
+    def __dlpack_device__(self):
+        return 2, self._device_id  # kDLCUDA
+
+    def __dlpack__(self, **kwargs):
+        raise BufferError("NumPy cannot read CUDA memory through DLPack")
+
+    def get(self):
+        return self._array.copy()
+
+
+class CudaDLPack:
+    """An array on a CUDA device that speaks only DLPack and `__array__`, which copies it to the host (as JAX's
+    arrays on a GPU do)."""
+
+    def __init__(self, array, device_id=0):
+        self._array, self._device_id = np.asarray(array), device_id
+
+    def __dlpack_device__(self):
+        return 2, self._device_id  # kDLCUDA
+
+    def __dlpack__(self, **kwargs):
+        raise BufferError("NumPy cannot read CUDA memory through DLPack")
+
+    def __array__(self, dtype=None, copy=None):
+        return self._array.copy()
+
+
+class CudaInterfaceOnly:
+    """A GPU array that speaks only `__cuda_array_interface__` (as Numba's device arrays)."""
+
+    def __init__(self, array):
+        self._array = np.asarray(array)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self._array.shape, "typestr": self._array.dtype.str, "data": (0, False), "version": 3}
+
+    def copy_to_host(self):
+        return self._array.copy()
+
+
 def import_torch():
     """PyTorch, or a skip saying why it is missing (.ci/run installs the CPU build when PyTorch's index answers)."""
     try:

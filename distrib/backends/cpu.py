@@ -18,7 +18,8 @@ from distrib.backends.base import Backend
 from distrib.backends.member_copies import MemberCopies
 from distrib.backends.packed import execute_pack_by_pack, member_views
 from distrib.backends.parallel import MIN_SHARE_BYTES, run_shares, run_split
-from distrib.backends.torch_tensors import exportable, is_torch_tensor, torch_device
+from distrib.backends.device_memory import device_memory_error, gpu_location
+from distrib.backends.torch_tensors import exportable, is_torch_tensor
 from distrib.devices import parse_device
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, Buffer
@@ -99,15 +100,21 @@ class BufferPool:
 
 
 def to_numpy(value: Any) -> np.ndarray:
-    """Any array-like (NumPy, a NumPy scalar, a Python number, a torch tensor, DLPack or CUDA arrays) as NumPy."""
+    """Any array-like in host memory (NumPy, a NumPy scalar, a Python number, a torch tensor, DLPack) as NumPy.
+
+    Raises:
+      TypeError: `value` is an array in GPU memory (a CUDA torch tensor, CuPy, any CUDA DLPack producer): copying
+        it to the host at every step would hide that GPU devices were meant; or `value` holds no numbers.
+    """
     if isinstance(value, np.ndarray):
         return value
     if isinstance(value, (np.number, np.bool_, int, float, complex, bool)):
         return np.asarray(value)
     if is_torch_tensor(value):
         return _torch_to_numpy(value)
-    if hasattr(value, "__cuda_array_interface__") and hasattr(value, "get"):  # CuPy
-        return value.get()
+    location = gpu_location(value)
+    if location is not None:
+        raise device_memory_error(value, location)
     if hasattr(value, "__dlpack__"):
         try:
             return np.from_dlpack(value)
@@ -127,10 +134,9 @@ def to_numpy(value: Any) -> np.ndarray:
 def _torch_to_numpy(tensor: Any) -> np.ndarray:
     """A PyTorch tensor in host memory as NumPy over the same memory, through DLPack (torch_tensors.exportable)."""
     exported, dtype = exportable(tensor)
-    if torch_device(tensor) != "cpu":
-        raise TypeError(f"The CPU emulator and host copies read torch tensors in host memory. Received: a tensor "
-                        f"on {tensor.device}; pass tensor.cpu(), or name GPU devices (distrib[cuda12]) to reduce it "
-                        "where it lies.")
+    location = gpu_location(tensor)
+    if location is not None:
+        raise device_memory_error(tensor, location)
     array = np.from_dlpack(exported)
     return array if dtype is None else array.view(dtype)
 

@@ -22,6 +22,12 @@ class ArraySpec(NamedTuple):
 
 
 
+def _array_protocol(value: Any) -> bool:
+    """Whether `value` presents itself as an array (NumPy's, DLPack's or CUDA's protocol)."""
+    return any(hasattr(value, name) for name in ("__array__", "__dlpack__")) or \
+        hasattr(type(value), "__cuda_array_interface__")
+
+
 def batch_leaves(element: Any, backend: Backend, what: str) -> tuple[list, Any]:
     """Leaves of one dataset element as arrays with a batch dimension, and the structure's spec."""
     leaves, spec = flatten(element)
@@ -36,6 +42,8 @@ def batch_leaves(element: Any, backend: Backend, what: str) -> tuple[list, Any]:
         try:
             array = leaf if isinstance(leaf, native) else backend.to_host(leaf)
         except TypeError as exc:
+            if _array_protocol(leaf):  # an array the backend cannot read (GPU memory on the emulator): its reason
+                raise TypeError(f"{exc} At path {format_path(spec.paths()[k])} of a {what}.") from None
             raise TypeError(f"Every leaf of a {what} must be an array. Received: {type(leaf).__name__} at path "
                             f"{format_path(spec.paths()[k])}.") from exc
         if array.ndim == 0:

@@ -70,6 +70,7 @@ def test_strategy_reduce_of_cuda_tensors_returns_numpy(strategy, torch):
 def test_the_emulator_refuses_cuda_tensors_saying_what_to_do(torch):
     emulator = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
     tensor = torch.ones(3, device="cuda")
-    with pytest.raises(TypeError, match=r"The CPU emulator and host copies read torch tensors in host memory. "
-                                        r"Received: a tensor on cuda:0; pass tensor.cpu\(\)"):
+    with pytest.raises(TypeError, match=r"The CPU emulator reads arrays in host memory; it does not copy device "
+                                        r"memory to the host at every step. Received: a torch.Tensor on cuda:0; "
+                                        r"pass tensor.cpu\(\)"):
         emulator.run(lambda: distrib.get_replica_context().all_reduce("SUM", tensor))
