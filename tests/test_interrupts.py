@@ -165,3 +165,32 @@ def test_ctrl_c_reaches_the_caller_promptly_and_the_stuck_replica_never_joins_a_
     assert child.read() == {"sums": [4.0, 4.0, 4.0, 4.0]}
     assert child.read() == {"threads": 4}
     assert child.finish() == 0
+
+
+def test_outside_blocks_the_program_sees_its_own_sigint_handler_and_a_later_one_is_deferred_too():
+    child = Child("""
+        import signal
+        from distrib.interrupts import deferred_interrupts
+
+        with strategy.scope():
+            v = distrib.Variable(np.zeros(3, np.float32))
+        v.assign_add(np.float32(1))  # blocks opened and closed
+        strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1)))
+        report(default=signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+        calls = []
+        def mine(signum, frame):
+            calls.append(signum)
+
+        saved = signal.signal(signal.SIGINT, mine)  # a program that swaps handlers after the first steps
+        with deferred_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(1000):
+                pass  # Python runs a pending handler between bytecodes: here, were it not deferred
+            inside = list(calls)
+        report(saved=saved is signal.default_int_handler, inside=inside, after=calls,
+               mine=signal.getsignal(signal.SIGINT) is mine)
+    """)
+    assert child.read() == {"default": True}
+    assert child.read() == {"saved": True, "inside": [], "after": [signal.SIGINT], "mine": True}
+    assert child.finish() == 0
