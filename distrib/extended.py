@@ -107,6 +107,8 @@ class StrategyExtended(abc.ABC):
     # -- destinations -----------------------------------------------------------------------------------
 
     def _destinations(self, destinations: Any) -> tuple[str, ...]:
+        if type(destinations) is PerReplica and len(destinations._values) == len(self._devices):
+            return self._devices  # the usual destinations: the value itself (one check per value of a batch)
         if destinations is None:
             raise ValueError("destinations must be a device name, an array, a distributed value or a distributed "
                              "variable. Received: None.")
@@ -183,7 +185,15 @@ class StrategyExtended(abc.ABC):
         backend, devices = self._backend, self._devices
         results: list[Any] = [None] * len(pairs)
         all_reduce_ids, all_reduce_values = [], []
+        host_arrays = backend.xp is np  # emulated devices: an array is on every device already
         for k, (value, destinations) in enumerate(pairs):
+            if host_arrays and type(value) is PerReplica and destinations == devices and \
+                    len(value._values) == len(devices) and all(type(c) is np.ndarray for c in value._values):
+                arrays = value._values
+                _check_reduce_inputs(arrays, k)
+                all_reduce_ids.append(k)
+                all_reduce_values.append(arrays)
+                continue
             components = local_components(value)
             mirrored = isinstance(value, (Mirrored, MirroredVariable))  # TensorFlow's is_mirrored
             if mirrored and op is ReduceOp.MEAN:
@@ -372,7 +382,7 @@ class StrategyExtended(abc.ABC):
 
 def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
     first = arrays[0]
-    if not reducible(first.dtype):
+    if first.dtype not in _REDUCIBLE and not reducible(first.dtype):
         raise TypeError(f"Reductions need numeric values. Received: dtype {first.dtype} at value {position}.")
     for replica_id, array in enumerate(arrays[1:], start=1):
         if array.shape != first.shape or array.dtype != first.dtype:
@@ -380,6 +390,9 @@ def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
                 f"reduce_to needs the same shape and dtype on every replica. Received: replica {replica_id}, value "
                 f"{position}, {array.dtype}{list(array.shape)} vs {first.dtype}{list(first.shape)}.")
 
+
+_REDUCIBLE = {np.dtype(name) for name in ("float16", "float32", "float64", "complex64", "complex128", "int8",
+                                           "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}
 
 _DLPACK_CUDA = 2  # DLPack's kDLCUDA; kDLCPU (1) and pinned host memory (3) are the host CPU
 
