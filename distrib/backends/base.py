@@ -76,6 +76,11 @@ class Backend(abc.ABC):
     def to_host(self, array: Any) -> np.ndarray:
         """A NumPy array with the same contents."""
 
+    def as_array(self, value: Any) -> Any:
+        """`value` as this backend's array or a NumPy one, copying nothing it can read in place (a dataset's
+        leaves): by default the host copy; on GPUs, GPU memory stays where it is."""
+        return self.to_host(value)
+
     @abc.abstractmethod
     def empty(self, shape: Sequence[int], dtype: Any, device: str) -> Any:
         """An uninitialised array on `device`."""

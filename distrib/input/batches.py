@@ -40,7 +40,7 @@ def batch_leaves(element: Any, backend: Backend, what: str) -> tuple[list, Any]:
             arrays.append(leaf)  # the common case, checked in one line
             continue
         try:
-            array = leaf if isinstance(leaf, native) else backend.to_host(leaf)
+            array = leaf if isinstance(leaf, native) else backend.as_array(leaf)
         except TypeError as exc:
             if _array_protocol(leaf):  # an array the backend cannot read (GPU memory on the emulator): its reason
                 raise TypeError(f"{exc} At path {format_path(spec.paths()[k])} of a {what}.") from None

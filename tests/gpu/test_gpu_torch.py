@@ -74,3 +74,18 @@ def test_the_emulator_refuses_cuda_tensors_saying_what_to_do(torch):
                                         r"memory to the host at every step. Received: a torch.Tensor on cuda:0; "
                                         r"pass tensor.cpu\(\)"):
         emulator.run(lambda: distrib.get_replica_context().all_reduce("SUM", tensor))
+
+
+def test_a_dataset_of_cuda_tensors_stays_on_the_gpu(strategy, torch, monkeypatch):
+    backend = strategy.extended.backend
+
+    def no_host_copy(array):
+        raise AssertionError("a CUDA tensor of the dataset went through host memory")
+
+    monkeypatch.setattr(backend, "to_host", no_host_copy)
+    batch = torch.arange(12.0, device="cuda").reshape(6, 2)
+    (per_replica,) = list(strategy.experimental_distribute_dataset([batch]))
+    parts = strategy.experimental_local_results(per_replica)
+    assert all(isinstance(part, cupy.ndarray) for part in parts)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(np.concatenate([part.get() for part in parts]), batch.cpu().numpy())

@@ -185,6 +185,9 @@ class CudaBackend(NcclCollectives, Backend):
                     self._side_streams[ordinal] = cupy.cuda.Stream(non_blocking=True)
             return self._side_streams[ordinal]
 
+    def as_array(self, value: Any) -> Any:
+        return as_cupy(value) if on_gpu(value) else to_numpy(value)  # a CUDA torch tensor stays on its GPU
+
     def to_host(self, array: Any) -> np.ndarray:
         if not on_gpu(array):
             return to_numpy(array)
