@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from distrib.backends.cpu import to_numpy
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.variable import ParameterServerVariable, Pending
 from distrib.parameter_server.write_tags import next_tag
@@ -42,7 +43,7 @@ def apply(strategy: Any, optimizer: Any, grads: list, variables: list) -> Any:
     rule = _update_rule(optimizer)
     by_server: dict[int, list] = {}
     for grad, var in zip(grads, variables):
-        grad = np.asarray(grad.values[0] if isinstance(grad, DistributedValues) else grad)
+        grad = to_numpy(grad.values[0] if isinstance(grad, DistributedValues) else grad)
         if grad.shape != tuple(var.shape):
             raise ValueError(f"A gradient must have its variable's shape. Received: shape {grad.shape} for "
                              f"variable {var.name!r} of shape {var.shape}.")
@@ -92,6 +93,6 @@ def _update_on_server(rule: Any, items: list, coefficients: dict) -> None:
     groups: dict[np.dtype, list] = {}
     for var, grad, slots in items:
         dtype = compute_dtype(var.dtype)
-        groups.setdefault(dtype, []).append((var, np.asarray(grad).astype(dtype, copy=False), tuple(slots)))
+        groups.setdefault(dtype, []).append((var, to_numpy(grad).astype(dtype, copy=False), tuple(slots)))
     for dtype, group in groups.items():
         rule._update_device(np, group, coefficients[dtype.str])

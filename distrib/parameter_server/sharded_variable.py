@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from distrib.backends.cpu import to_numpy
 from distrib.parameter_server.partitioners import locate_rows
 from distrib.parameter_server.server import scatter_rows
 from distrib.parameter_server.variable import ParameterServerVariable, _check_operand, _check_rows
@@ -146,7 +147,7 @@ class ShardedVariable(_ArrayOperators):
         return self._write_whole("assign_sub", delta)
 
     def _write_whole(self, method: str, value: Any) -> "ShardedVariable":
-        operand = np.asarray(value.read_value() if hasattr(value, "read_value") else value)
+        operand = to_numpy(value.read_value() if hasattr(value, "read_value") else value)
         _check_operand(self, method, operand)
         operand = np.broadcast_to(operand, self.shape)
         _results([_start(s, method, operand[a:b]) for s, a, b in zip(self._variables, self._offsets,
@@ -157,7 +158,7 @@ class ShardedVariable(_ArrayOperators):
 
     def embedding_lookup(self, ids: Any) -> np.ndarray:
         """The rows `ids` (any shape) as an array of shape `ids.shape + shape[1:]`; only those rows travel."""
-        ids = np.asarray(ids)
+        ids = to_numpy(ids)
         flat = ids.reshape(-1)
         shard, local = locate_rows(flat, self._offsets)
         out = np.empty((flat.size,) + self.shape[1:], self.dtype)
@@ -184,7 +185,7 @@ class ShardedVariable(_ArrayOperators):
         return self._scatter("scatter_update", indices, updates)
 
     def _scatter(self, method: str, indices: Any, updates: Any) -> "ShardedVariable":
-        indices, updates = np.asarray(indices), np.asarray(updates)
+        indices, updates = to_numpy(indices), to_numpy(updates)
         _check_rows(self, method, indices, updates, self.shape[0])
         flat, rows = indices.reshape(-1), updates.reshape((-1,) + self.shape[1:])
         shard, local = locate_rows(flat, self._offsets)

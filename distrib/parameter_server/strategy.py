@@ -10,6 +10,7 @@ import numpy as np
 
 from distrib import context
 from distrib.backends import get_backend
+from distrib.backends.cpu import to_numpy
 from distrib.cluster_resolver import ClusterResolver, RayClusterResolver, TFConfigClusterResolver
 from distrib.cross_device_ops import ReductionToOneDevice
 from distrib.errors import ContextError
@@ -151,7 +152,7 @@ class ParameterServerExtended(StrategyExtended):
             raise ValueError("ParameterServerStrategy keeps one copy of each variable; synchronization ON_READ "
                              "has no meaning there. Received: ON_READ.")
         aggregation = coerce_enum(VariableAggregation, aggregation, "aggregation")
-        value = np.asarray(initial_value() if callable(initial_value) else initial_value)
+        value = to_numpy(initial_value() if callable(initial_value) else initial_value)
         value = np.array(value.astype(dtype, copy=False) if dtype is not None else value, order="C")
         check_numeric(value.dtype)
         name = name or "Variable"

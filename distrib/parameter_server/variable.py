@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from distrib.backends.cpu import to_numpy
 from distrib.errors import ParameterServerError
 from distrib import ray_runtime
 from distrib.parameter_server.write_tags import next_tag
@@ -107,7 +108,7 @@ class ParameterServerVariable(_ArrayOperators):
 
     def sparse_read(self, indices: Any) -> np.ndarray:
         """The rows `indices` (only those travel)."""
-        return self._start("read_rows", np.asarray(indices)).result()
+        return self._start("read_rows", to_numpy(indices)).result()
 
     # -- writing ----------------------------------------------------------------------------------------
 
@@ -146,12 +147,12 @@ class ParameterServerVariable(_ArrayOperators):
         return Pending(ref, self._ps_index)
 
     def _start_write(self, method: str, value: Any) -> Pending:
-        operand = np.asarray(value.read_value() if hasattr(value, "read_value") else value)
+        operand = to_numpy(value.read_value() if hasattr(value, "read_value") else value)
         _check_operand(self, method, operand)
         return self._start("write", method, operand, next_tag(self._key))
 
     def _start_scatter(self, method: str, indices: Any, updates: Any) -> Pending:
-        indices, updates = np.asarray(indices), np.asarray(updates)
+        indices, updates = to_numpy(indices), to_numpy(updates)
         _check_rows(self, f"scatter_{method}", indices, updates, self._shape[0] if self._shape else 0)
         return self._start("scatter", method, indices, updates, next_tag(self._key))
 

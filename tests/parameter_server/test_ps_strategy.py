@@ -15,6 +15,7 @@ import distrib.runner
 from distrib.cluster_resolver import RayClusterResolver
 from distrib.errors import ContextError
 from distrib.experimental.partitioners import FixedShardsPartitioner, MinSizePartitioner
+from support import import_torch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,6 +127,24 @@ def test_bfloat16_variables_train_on_the_servers_as_on_one_device(strategy):
         reference_optimizer.apply_gradients([(gradient, reference)])
     assert weights.dtype == bfloat16
     np.testing.assert_array_equal(weights.numpy(), reference.numpy())
+
+
+def test_torch_tensors_that_require_grad_go_into_server_variables_as_their_values(strategy):
+    torch = import_torch()
+    values = torch.arange(12.0).reshape(6, 2).requires_grad_(True)
+    with strategy.scope():
+        table = distrib.Variable(values, name="torch_table")  # sharded over both servers
+        bias = distrib.Variable(torch.zeros(2, requires_grad=True), name="torch_bias")
+        optimizer = distrib.optimizers.SGD(learning_rate=0.5)
+        optimizer.build([table, bias])
+    table.assign_add(torch.ones(6, 2, requires_grad=True))
+    table.scatter_sub(torch.tensor([5]), torch.ones(1, 2, requires_grad=True))
+    strategy.run(lambda: optimizer.apply_gradients([(torch.ones(6, 2, requires_grad=True), table),
+                                                    (torch.ones(2, requires_grad=True), bias)]))
+    expected = np.arange(12.0, dtype=np.float32).reshape(6, 2) + 0.5
+    expected[5] -= 1
+    np.testing.assert_array_equal(table.numpy(), expected)
+    np.testing.assert_array_equal(bias.numpy(), [-0.5, -0.5])
 
 
 def test_extended_update_runs_fn_on_the_server_holding_the_variable(strategy):
