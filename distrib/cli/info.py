@@ -9,6 +9,7 @@ import sys
 
 from distrib.cli import topology
 from distrib.cli.versions import missing, versions
+from distrib.mpi_env import mpi_environment
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(facts, indent=1))
         return 0
     lines = render(facts)
-    if sys.stdout.isatty():
+    if sys.stdout.isatty() and mpi_environment() is None:  # an MPI launcher's pseudo-terminal is its log
         from rich.console import Console
 
         Console().print("\n".join(lines), markup=False, highlight=True)

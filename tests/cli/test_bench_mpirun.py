@@ -87,3 +87,35 @@ def test_a_wrong_element_on_rank_1_is_counted_in_rank_0s_table(job):
     [row] = document["rows"]
     assert [row["results"][name]["wrong"] for name in document["series"]] == [0, 3, 3]
     assert document["wrong"] == 6
+
+
+def in_a_terminal(command: list[str], env: dict) -> str:
+    """What `command` writes when its output is a pseudo-terminal, as an MPI launcher's ranks get."""
+    import pty
+
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(command, stdout=follower, stderr=follower, stdin=subprocess.DEVNULL, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the terminal closed: every process writing to it has exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert process.wait(timeout=120) == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_under_mpirun_bench_and_info_print_plain_text_on_the_launchers_terminal():
+    env = dict(os.environ, DISTRIB_CPU_REPLICAS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    distrib_cli = [sys.executable, "-m", "distrib"]
+    bench = in_a_terminal([MPIRUN, "-np", "1", *distrib_cli, "bench", "all_reduce", "-b", "8", "-e", "64",
+                           "-n", "2", "-w", "1"], env)
+    info = in_a_terminal([MPIRUN, "-np", "1", *distrib_cli, "info"], env)
+    for output in (bench, info):
+        assert "\x1b[" not in output  # no colour, no redrawn progress bar: the terminal is the job's log
+    assert "Avg bus bandwidth (distrib)" in bench and "backend" in info

@@ -18,6 +18,7 @@ from distrib.cli.bench.output import Output
 from distrib.cli.bench.runners import DistribSeries, NumpySeries, Prepared, RowSpec, count_wrong
 from distrib.cli.bench.sweep import TYPES, SweepError, combinations
 from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, footer, header, parse_size, row, sizes
+from distrib.mpi_env import mpi_environment
 
 BATCH_DEFAULTS = ("4K", "1M")  # -b and -e for batch_reduce: 4 to 1,024 arrays of 1 KiB
 
@@ -159,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
              f"warmup iters: {args.warmup_iters} iters: {args.iters} validation: {args.check}",
              *notes, "#", "# Using devices", *using, "#"]
     groups = [s.name for s in series]
-    out = Output(sum(len(_row_sizes(args, p.dtype)) for p in passes) * len(series), plain=job.processes > 1) \
+    out = Output(sum(len(_row_sizes(args, p.dtype)) for p in passes) * len(series), plain=mpi_environment() is not None) \
         if job.chief else None
     if out:
         out.lines(lines + [header(groups, ("vs raw",))])
