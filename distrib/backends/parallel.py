@@ -90,7 +90,10 @@ def shares(length: int, itemsize: int, parts: int) -> list[tuple[int, int]]:
 def run_split(jobs: Sequence[Callable[[], None]], nbytes: int) -> None:
     """Runs independent `jobs` that move `nbytes` in all, spread over the lent team's threads if any."""
     team = lent_team()
-    parts = 1 if team is None else max(1, min(team.size, usable_cores(), len(jobs), nbytes // MIN_SHARE_BYTES))
+    if team is None or len(jobs) < 2 or nbytes < 2 * MIN_SHARE_BYTES:  # nothing worth a second thread
+        _run_all(jobs)
+        return
+    parts = max(1, min(team.size, usable_cores(), len(jobs), nbytes // MIN_SHARE_BYTES))
     if parts == 1:
         _run_all(jobs)
     else:
@@ -105,7 +108,10 @@ def _run_all(jobs: Sequence[Callable[[], None]]) -> None:
 def run_shares(length: int, itemsize: int, body: Callable[[int, int], None]) -> None:
     """Calls `body(start, stop)` over ranges covering `length` elements, on the lent team's threads if any."""
     team = lent_team()
-    ranges = shares(length, itemsize, min(team.size, usable_cores())) if team is not None else [(0, length)]
+    if team is None or length * itemsize < 2 * MIN_SHARE_BYTES:  # one share: skip the affinity lookup and cuts
+        body(0, length)
+        return
+    ranges = shares(length, itemsize, min(team.size, usable_cores()))
     if len(ranges) <= 1:
         body(0, length)
         return
