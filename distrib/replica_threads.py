@@ -156,12 +156,7 @@ class ReplicaThread:
         _executing.worker = self
         backend.activate(device)
         while True:
-            self.go.acquire()
-            self._pass_on()
-            task, self.task = self.task, None
-            if task is not None:  # idle between runs, lent to a reduction on the calling thread
-                task()
-                continue
+            self._wait_for_wake()
             run = self.run
             if run is None or self.retired:
                 return
@@ -195,16 +190,21 @@ class ReplicaThread:
         with timeline.span(request[0], "merge_call"):
             if not run.report(i, WAITING):
                 raise RequestedStop()
-            while True:  # woken to resume, or lent to the merge: then runs a share of its work and waits again
-                self.go.acquire()
-                self._pass_on()
-                task, self.task = self.task, None
-                if task is None:
-                    break
-                task()
+            self._wait_for_wake()
         if run.stopped:
             raise RequestedStop()
         return run.merge_results[i]
+
+    def _wait_for_wake(self) -> None:
+        """Waits until woken to start or resume a run; runs each task handed over meanwhile (a share of a merge's
+        work, or of a reduction's outside any run) and waits again."""
+        while True:
+            self.go.acquire()
+            self._pass_on()
+            task, self.task = self.task, None
+            if task is None:
+                return
+            task()
 
     def _pass_on(self) -> None:
         following, self.wake_next = self.wake_next, None
