@@ -82,10 +82,11 @@ class MirroredExtended(StrategyExtended):
         run_timeout = None if options is None else options.timeout_seconds
         started = time.monotonic()
         deadline = None if run_timeout is None else started + run_timeout
+        inline = deadline is None and len(self._devices) == 1  # nothing to overlap, no deadline to keep
         if self._running_thread == threading.get_ident():
             # run from a merge_fn: the replica threads wait in the merge, so this run gets threads of its own
             # (TensorFlow starts threads for every run, so nesting works there too)
-            if deadline is None and len(self._devices) == 1:
+            if inline:
                 return self._run_inline(fn, args, kwargs)
             threads = [ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices)]
             try:
@@ -112,7 +113,7 @@ class MirroredExtended(StrategyExtended):
                 raise ContextError(f"{self._container_strategy!r} is closed: create a new strategy to run again.")
             self._running_thread = threading.get_ident()
             with timeline.span("run", "run"):
-                if deadline is None and len(self._devices) == 1:
+                if inline:
                     return self._run_inline(fn, args, kwargs)
                 return self._run(fn, args, kwargs, self._ensure_threads(), deadline)
         finally:
