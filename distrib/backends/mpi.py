@@ -158,9 +158,9 @@ class MpiBackend(CpuBackend):
         per_replica = flats[0].size
         gathered = self._pool.empty((per_replica * group.num_replicas,), local.dtype)
         counts = [per_replica * n for n in group.replica_counts]
-        mpi_type = self._buffer(local)[1][1] if dtype_name(local.dtype) in _MPI_TYPES else MPI.BYTE
-        if mpi_type is MPI.BYTE:  # no MPI type (float16, bfloat16): gather the bytes
-            counts = [c * local.itemsize for c in counts]
+        mpi_type = self._wire(local.dtype)[0]
+        if mpi_type is None:  # no MPI type (float16, bfloat16): gather the bytes
+            mpi_type, counts = MPI.BYTE, [c * local.itemsize for c in counts]
         displacements = np.cumsum([0] + counts[:-1]).tolist()
         group.run("all_gather", lambda: group.comm.Allgatherv(
             [local, mpi_type], [gathered, (counts, displacements), mpi_type]), timeout)
