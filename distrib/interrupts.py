@@ -69,9 +69,10 @@ def deferred_interrupts() -> _Deferral:
     Python raises KeyboardInterrupt between any two bytecodes of the main thread; inside this block it is
     raised when the block ends instead, so the block's steps (every copy of a mirrored variable written, or
     every replica thread handed its next phase) happen all together. Blocks nest; the outermost costs about
-    1.4 µs (two sigaction calls), a nested one well under a microsecond; other threads never receive KeyboardInterrupt, so there the block does nothing. The outermost
-    block puts a handler in front of the program's SIGINT handler and restores the program's as it ends, so
-    outside blocks `signal.getsignal(signal.SIGINT)` returns the program's own.
+    1.4 µs (two sigaction calls), a nested one well under a microsecond; other threads never receive
+    KeyboardInterrupt, so there the block does nothing. The outermost block puts a handler in front of the
+    program's SIGINT handler and restores the program's as it ends, so outside blocks
+    `signal.getsignal(signal.SIGINT)` returns the program's own.
 
     Example:
       >>> from distrib.interrupts import deferred_interrupts
