@@ -33,14 +33,14 @@ def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     kind = type(structure)
     if kind in _LEAF_TYPES:  # one array: the usual argument and result of a step
         return [structure], _LEAF_SPEC
-    if (kind is list or kind is tuple) and all(type(x) in _LEAF_TYPES for x in structure):
+    if (kind is list or kind is tuple) and _LEAF_TYPES.issuperset(map(type, structure)):  # the test runs in C
         key = (kind, len(structure))
         spec = _FLAT_SPECS.get(key)
         if spec is None:
             spec = _FLAT_SPECS[key] = optree.tree_structure(kind([0] * len(structure)), namespace=_NAMESPACE)
         return list(structure), spec
     if kind is dict and all(type(k) is str for k in structure) and \
-            all(type(v) in _LEAF_TYPES for v in structure.values()):  # e.g. {"x": ..., "y": ...} batches
+            _LEAF_TYPES.issuperset(map(type, structure.values())):  # e.g. {"x": ..., "y": ...} batches
         keys = tuple(structure)
         cached = _DICT_SPECS.get(keys)
         if cached is None:
@@ -128,6 +128,9 @@ class Mirrored(DistributedValues):
         return np.asarray(self._get(), dtype=dtype)
 
 
+_PLAIN_DISTRIBUTED = (PerReplica, Mirrored)  # never variables: select_replica takes their components
+
+
 def is_distributed_variable(value: Any) -> bool:
     """True for distributed variables (MirroredVariable, SyncOnReadVariable), which select_replica keeps whole."""
     return getattr(value, "_is_distributed_variable", False)
@@ -161,8 +164,8 @@ def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool 
         return [tuple(args) for args in zip(*(_select(x, replica_ids, count, exact) for x in structure))] or \
             [()] * len(replica_ids)
     leaves, spec = flatten(structure)
-    distributed = [k for k, leaf in enumerate(leaves)
-                   if isinstance(leaf, DistributedValues) and not is_distributed_variable(leaf)]
+    distributed = [k for k, leaf in enumerate(leaves) if type(leaf) in _PLAIN_DISTRIBUTED or
+                   (isinstance(leaf, DistributedValues) and not is_distributed_variable(leaf))]
     if not distributed:
         return [structure] * len(replica_ids)
     for k in distributed:
@@ -212,6 +215,8 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
             all(type(x) is kind for x in per_replica):  # one distinct array per replica: the usual result of a run
         return wrap_class._wrap(tuple(per_replica))
     first_leaves, spec = flatten(first)
+    if len(per_replica) == 1 and not always_wrap:  # every leaf is "the same object everywhere": itself
+        return unflatten(spec, first_leaves)
     columns = [first_leaves]
     for replica_id, structure in enumerate(per_replica[1:], start=1):
         leaves, other_spec = flatten(structure)
