@@ -230,6 +230,8 @@ def _shown(value: Any) -> str:
 
 def check_same_layout(api: str, payloads: list, gather_axis: int | None = None) -> None:
     """Every replica's (spec, arrays) must match replica 0's: structure, then each leaf's shape and dtype."""
+    if len(payloads) == 1 and gather_axis is None:  # one replica: nothing to compare with
+        return
     spec0, arrays0 = payloads[0]
     for replica_id, (spec, _) in enumerate(payloads[1:], start=1):  # every structure first: leaves line up after
         if spec != spec0:
