@@ -21,7 +21,7 @@ from distrib.interrupts import deferred_interrupts
 from distrib.options import CommunicationOptions, ReduceOp, RunOptions
 from distrib.replica_context import normalize_axes, reducible
 from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_scalar, local_components, regroup,
-                            register_leaf_type, select_replica)
+                            register_leaf_type, select_replicas)
 from distrib.variables import (DistributedVariable, MirroredVariable, Variable, VariableAggregation,
                                VariableSynchronization, create_distributed_variable, update_context)
 
@@ -312,13 +312,15 @@ class StrategyExtended(abc.ABC):
             components = (var,)
         else:
             raise TypeError(f"update needs a variable. Received: {type(var).__name__}.")
-        kwargs = kwargs or {}
+        count = len(components)
+        per_args = select_replicas(tuple(args), count, exact=False)  # each copy's args, walked once for all
+        per_kwargs = select_replicas(kwargs or {}, count, exact=False)
         results = []
         # fn sees this strategy, cross-replica, as in TensorFlow; Ctrl-C lands before or after all copies
         with self._container_strategy._enter_scope(), deferred_interrupts():
             for i, component in enumerate(components):
                 with update_context(i), self._backend.device_scope(component.device):
-                    results.append(fn(component, *select_replica(i, tuple(args)), **select_replica(i, kwargs)))
+                    results.append(fn(component, *per_args[i], **per_kwargs[i]))
         return regroup(results, Mirrored if group else PerReplica)
 
     def _input_workers(self) -> InputWorkers:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, Iterable, Sequence
 
@@ -171,7 +172,9 @@ class Optimizer:
         for var, grad in zip(variables, reduced):
             slots = [PerReplica(s.values) if isinstance(s, DistributedVariable) else s
                      for s in self._slots[var].values()]  # update hands each copy its own slot copies
-            extended.update(var, self._collect, args=(groups, grad, *slots), group=False)
+            # `groups` is bound rather than passed in args: update unwraps args per copy, and walking every
+            # variable filed so far at each call made a step quadratic in the number of variables
+            extended.update(var, functools.partial(self._collect, groups), args=(grad, *slots), group=False)
         backend = extended.backend
         with deferred_interrupts():  # Ctrl-C lands before the step's writes or after all of them
             for (device, dtype), items in groups.items():  # the backend's fused kernels if any, else array math
@@ -189,7 +192,7 @@ class Optimizer:
         counted = self._counted
         return counted[1] if counted and counted[0] == write_serials(self._iterations) else int(self.iterations.numpy())
 
-    def _collect(self, component: Variable, groups: dict, grad: Any, *slots: Variable) -> None:
+    def _collect(self, groups: dict, component: Variable, grad: Any, *slots: Variable) -> None:
         """`extended.update`'s fn: files one copy of one variable, with its gradient on its device, by group."""
         dtype = compute_dtype(component.dtype)
         grad = self._strategy.extended.backend.to_device(grad, component.device).astype(dtype, copy=False)

@@ -146,14 +146,14 @@ def _is_empty(structure: Any) -> bool:
     return structure is None or (type(structure) in (tuple, dict) and not structure)
 
 
-def select_replicas(structure: Any, count: int) -> list[Any]:
+def select_replicas(structure: Any, count: int, exact: bool = True) -> list[Any]:
     """`[select_replica(i, structure) for i in range(count)]`, flattening the structure only once.
 
-    Raises ValueError when a distributed leaf has not exactly `count` components.
+    Raises ValueError when a distributed leaf has not exactly `count` components (with `exact`; else fewer).
     """
     if _is_empty(structure):  # no args; a merge_fn's None
         return [structure] * count
-    return _select(structure, range(count), count, exact=True)
+    return _select(structure, range(count), count, exact=exact)
 
 
 def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool = False) -> list[Any]:
