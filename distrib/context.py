@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 from distrib.errors import ContextError
 
@@ -69,15 +68,31 @@ class frame:
         return f"<context.frame {self._frame}>"
 
 
-@contextlib.contextmanager
-def thread_value(local: threading.local, name: str, value: object) -> Iterator[None]:
-    """Sets `local.<name>` to `value` for the block (this thread only), restoring the previous value after."""
-    previous = getattr(local, name, None)
-    setattr(local, name, value)
-    try:
-        yield
-    finally:
-        setattr(local, name, previous)
+class thread_value:
+    """Sets `local.<name>` to `value` for the block (this thread only), restoring the previous value after.
+
+    A class rather than a generator, as `frame` is: every copy of every variable an update writes enters one.
+
+    Args:
+      local: the thread-local object.
+      name: the attribute set on it.
+      value: the value it has inside the block.
+    """
+
+    __slots__ = ("_local", "_name", "_value", "_previous")
+
+    def __init__(self, local: threading.local, name: str, value: object):
+        self._local, self._name, self._value = local, name, value
+
+    def __enter__(self) -> None:
+        self._previous = getattr(self._local, self._name, None)
+        setattr(self._local, self._name, self._value)
+
+    def __exit__(self, *exc_info) -> None:
+        setattr(self._local, self._name, self._previous)
+
+    def __repr__(self) -> str:
+        return f"<context.thread_value {self._name}={self._value!r}>"
 
 
 def get_strategy() -> Any:
