@@ -172,6 +172,12 @@ def _sum_shared(flats: Sequence[np.ndarray], out: np.ndarray, divisor: int | Non
     run_shares(out.size, out.itemsize, sum_range)
 
 
+def _one_buffer(first: np.ndarray, others: Sequence[np.ndarray]) -> bool:
+    """Whether every array of `others` starts where `first` does (views of one result)."""
+    address = first.__array_interface__["data"][0]
+    return all(flat.__array_interface__["data"][0] == address for flat in others)
+
+
 class CpuBackend(Backend):
     """NumPy arrays on N emulated devices. Collectives sum in device order, as TensorFlow's add_n does.
 
@@ -268,9 +274,7 @@ class CpuBackend(Backend):
         unpacked once, into copies reused while nobody holds them (backends/member_copies.py); each device gets
         its own read-only views of those copies."""
         first = flats[0]
-        address = first.__array_interface__["data"][0]
-        if len(buffer.members) == 1 or first.flags.writeable or \
-                any(flat.__array_interface__["data"][0] != address for flat in flats[1:]):
+        if len(buffer.members) == 1 or first.flags.writeable or not _one_buffer(first, flats[1:]):
             return [self.unpack(flat, buffer) for flat in flats]
         with timeline.span("unpack", "pack"):
             return self._member_copies.unpack(first, buffer, len(flats), run_split,
