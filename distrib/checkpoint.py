@@ -247,14 +247,18 @@ def _holds_variables(value: Any) -> bool:
 def _owner_variables(owner: Any) -> dict[str, Any]:
     """`owner.variables()` by name; a repeated name gets `_1`, `_2`, ... in the order they come."""
     named: dict[str, Any] = {}
+    tried: dict[str, int] = {}  # base name -> the last suffix taken: every smaller one is taken too
     for variable in owner.variables():
         if not isinstance(variable, _VARIABLES):
             raise TypeError(f"{type(owner).__name__}.variables() must return distrib variables. Received: "
                             f"{type(variable).__name__}.")
-        name, count = variable.name, 0
-        while name in named:
-            count += 1
-            name = f"{variable.name}_{count}"
+        name = base = variable.name
+        if name in named:  # resume after the last suffix: retrying from _1 made n unnamed slots cost n^2 / 2 probes
+            count = tried.get(base, 0)
+            while name in named:
+                count += 1
+                name = f"{base}_{count}"
+            tried[base] = count
         named[name] = variable
     return named
 

@@ -234,6 +234,27 @@ def test_slots_the_optimizer_has_not_created_yet_are_restored_when_it_creates_th
     assert checkpoint_module.restore_deferred(fresh) == []
 
 
+class Owner:
+    """An object whose variables() a Checkpoint saves by name, as it saves an optimizer's slots."""
+
+    def __init__(self, variables):
+        self.created = variables
+
+    def variables(self):
+        return self.created
+
+
+def test_an_owners_variables_that_share_a_name_are_numbered_in_order(path):
+    names = ["Variable", "Variable", "Variable_1", "Variable", "w", "Variable", "w"]
+    Checkpoint(owner=Owner([distrib.Variable(np.float32(k), name=n) for k, n in enumerate(names)])).save(path)
+    saved = {key: float(value) for key, value in safetensors.numpy.load_file(path).items()}
+    assert saved == {"owner/Variable": 0, "owner/Variable_1": 1, "owner/Variable_1_1": 2, "owner/Variable_2": 3,
+                     "owner/w": 4, "owner/Variable_3": 5, "owner/w_1": 6}
+    fresh = Owner([distrib.Variable(np.float32(0), name=n) for n in names])
+    Checkpoint(owner=fresh).restore(path)
+    assert [float(v.numpy()) for v in fresh.created] == list(range(len(names)))
+
+
 
 def test_the_file_is_safetensors_with_the_manifest_in_its_header(path):
     strategy = strategy_with(2)
