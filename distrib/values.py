@@ -20,6 +20,7 @@ _NAMESPACE = "distrib"
 _LEAF_TYPES: set[type] = {int, float, complex, bool, str, bytes}
 _FLAT_SPECS: dict[tuple[type, int], optree.PyTreeSpec] = {}
 _DICT_SPECS: dict[tuple[str, ...], tuple[optree.PyTreeSpec, list[str]]] = {}
+_SPECS_KEPT = 256  # each cache is emptied when full: keys that change every step (metrics by step) must not grow it
 _LEAF_SPEC = optree.tree_structure(0, namespace=_NAMESPACE)
 
 
@@ -37,6 +38,8 @@ def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
         key = (kind, len(structure))
         spec = _FLAT_SPECS.get(key)
         if spec is None:
+            if len(_FLAT_SPECS) >= _SPECS_KEPT:
+                _FLAT_SPECS.clear()
             spec = _FLAT_SPECS[key] = optree.tree_structure(kind([0] * len(structure)), namespace=_NAMESPACE)
         return list(structure), spec
     if kind is dict and all(type(k) is str for k in structure) and \
@@ -44,6 +47,8 @@ def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
         keys = tuple(structure)
         cached = _DICT_SPECS.get(keys)
         if cached is None:
+            if len(_DICT_SPECS) >= _SPECS_KEPT:
+                _DICT_SPECS.clear()
             cached = _DICT_SPECS[keys] = (optree.tree_structure(dict.fromkeys(keys, 0), namespace=_NAMESPACE),
                                           sorted(keys))  # optree orders a dict's leaves by sorted key
         return [structure[k] for k in cached[1]], cached[0]

@@ -23,6 +23,14 @@ def test_fast_flatten_agrees_with_optree():
         assert type(values.unflatten(spec, leaves)) is type(structure)
 
 
+def test_structures_whose_keys_change_every_step_keep_the_spec_caches_bounded():
+    for step in range(3 * values._SPECS_KEPT):
+        leaves, spec = values.flatten({f"loss_{step}": np.float32(step), "lr": 0.1})
+        assert values.unflatten(spec, leaves) == {f"loss_{step}": step, "lr": 0.1}
+        assert values.flatten([np.float32(0)] * (step + 1))[1].num_leaves == step + 1
+    assert len(values._DICT_SPECS) <= values._SPECS_KEPT and len(values._FLAT_SPECS) <= values._SPECS_KEPT
+
+
 def test_buffer_size_is_computed_once():
     buffer = plan_concat_split([((3,), "float32"), ((5,), "float32")], 1).buffers[0]
     assert buffer.size == 8
