@@ -261,6 +261,10 @@ def _check_variable(strategy: Any, var: Any, position: int) -> None:
             raise ValueError(f"Optimizers update variables of the strategy they run under. Received: variable "
                              f"{var.name!r}, created outside any strategy, under {strategy!r}; create it inside "
                              f"strategy.scope().")
+    elif type(var).__module__.startswith("distrib.parameter_server"):  # its strategy is not the current one
+        raise ValueError(f"A parameter server's variable is updated under its ParameterServerStrategy. Received: "
+                         f"{type(var).__name__} {var.name!r} at position {position} under {strategy!r}; call "
+                         f"apply_gradients under strategy.scope(), inside strategy.run, or in a scheduled closure.")
     else:
         raise TypeError(f"Optimizers update distrib variables. Received: {type(var).__name__} at position "
                         f"{position}.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -11,7 +12,7 @@ import optree
 
 from distrib.errors import ContextError
 from distrib.parameter_server.dispatch import Closure, ClosureQueue
-from distrib.parameter_server.worker import PerWorkerDataset
+from distrib.parameter_server.worker import PerWorkerDataset, run_in_scope
 
 
 
@@ -131,7 +132,8 @@ class ClusterCoordinator:
             raise TypeError(f"args must be a tuple or list. Received: {type(args).__name__}.")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict. Received: {type(kwargs).__name__}.")
-        closure = Closure(next(self._ids), fn, tuple(args or ()), dict(kwargs or {}), RemoteValue)
+        closure = Closure(next(self._ids), functools.partial(run_in_scope, self._strategy._worker_factory(), fn), tuple(args or ()),
+                          dict(kwargs or {}), RemoteValue)
         self._queue.put(closure)
         return closure.result
 

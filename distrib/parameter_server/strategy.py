@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -93,9 +94,15 @@ class ParameterServerStrategy(Strategy):
         where = "worker side" if self._on_worker else f"workers={self._cluster.num_workers}"
         return f"<ParameterServerStrategy ps={self._extended._num_ps} {where} partitioner={self._partitioner!r}>"
 
-    def __reduce__(self):
+    def _worker_factory(self) -> Callable[[], "ParameterServerStrategy"]:
+        """Makes this strategy as a worker sees it; holds no reference to the strategy itself, so a scheduled
+        closure that carries it does not keep a dropped strategy (and its actors) alive."""
         key = id(self) if not self._on_worker else self._key
-        return _worker_side_strategy, (key, self._extended._num_ps, self._partitioner)
+        return functools.partial(_worker_side_strategy, key, self._extended._num_ps, self._partitioner)
+
+    def __reduce__(self):
+        factory = self._worker_factory()
+        return factory.func, factory.args
 
 
 def _worker_side_strategy(key: int, num_ps: int, partitioner: Any) -> ParameterServerStrategy:

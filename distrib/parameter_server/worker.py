@@ -89,6 +89,14 @@ class Worker:
         return leaf
 
 
+def run_in_scope(make_strategy: Callable[[], Any], fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)` under the scope of the strategy `make_strategy()` gives on this worker: a closure
+    runs in its strategy's cross-replica context, as TensorFlow traces a scheduled function under the
+    strategy's scope (so optimizers and `get_strategy()` see the strategy)."""
+    with make_strategy().scope():
+        return fn(*args, **kwargs)
+
+
 def _picklable(exc: Exception) -> Exception:
     """`exc` itself when it survives pickling, else a RuntimeError carrying its type and message."""
     try:

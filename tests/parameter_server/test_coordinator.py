@@ -128,6 +128,27 @@ def test_training_with_an_optimizer_in_scheduled_steps(strategy, coordinator):
     np.testing.assert_allclose(w.numpy(), target, atol=0.15)
 
 
+
+def test_a_closure_runs_in_its_strategys_cross_replica_context(strategy, coordinator):
+    """As TensorFlow traces a scheduled function under the strategy's scope: an optimizer applied outside
+    `strategy.run` updates the servers' variables, and the closure sees the strategy, cross-replica."""
+    with strategy.scope():
+        w = distrib.Variable(np.zeros(3, np.float32), name="w")
+        optimizer = distrib.optimizers.SGD(learning_rate=0.5)
+        optimizer.build([w])
+
+    def step():
+        optimizer.apply_gradients([(np.ones(3, np.float32), w)])
+        return distrib.get_strategy() is strategy, distrib.get_replica_context() is None, distrib.in_cross_replica_context()
+
+    results = [coordinator.schedule(step) for _ in range(4)]
+    coordinator.join()
+    assert [r.fetch() for r in results] == [(True, True, True)] * 4
+    np.testing.assert_array_equal(w.numpy(), np.full(3, -2.0, np.float32))
+    with pytest.raises(ValueError, match="A parameter server's variable is updated under its "
+                                         "ParameterServerStrategy. Received: ShardedVariable 'w'"):
+        optimizer.apply_gradients([(np.ones(3, np.float32), w)])  # on the coordinator, outside the scope
+
 def test_a_killed_worker_loses_no_closure_and_applies_none_twice(strategy, coordinator):
     n = 8
     with strategy.scope():
