@@ -326,16 +326,17 @@ class SGD(Optimizer):
 
     def _update_device(self, xp, items, coefficients):
         lr, momentum = coefficients
-        for var, grad, slots in items:
+        for var, grad, slots in items:  # on the buffers themselves: shapes and dtypes were checked once per step
+            w = var._writable()
             if not slots:
-                var.assign_sub(lr * grad)
+                xp.subtract(w, lr * grad, out=w, casting="same_kind")
                 continue
-            (m,) = slots
-            m.assign(momentum * m.read_value() - lr * grad)
+            m = slots[0]._writable()
+            xp.copyto(m, momentum * m - lr * grad, casting="same_kind")
             if self.nesterov:
-                var.assign_add(momentum * m.read_value() - lr * grad)
+                xp.add(w, momentum * m - lr * grad, out=w, casting="same_kind")
             else:
-                var.assign_add(m)
+                xp.add(w, m, out=w, casting="same_kind")
 
     def __repr__(self) -> str:
         return (f"<SGD name={self.name!r} learning_rate={self.learning_rate} momentum={self.momentum} "
@@ -389,10 +390,11 @@ class Adam(Optimizer):
 
     def _update_device(self, xp, items, coefficients):
         lr_t, one_minus_beta_1, one_minus_beta_2, epsilon = coefficients
-        for var, grad, (m, v) in items:
-            m.assign_add((grad - m.read_value()) * one_minus_beta_1)
-            v.assign_add((xp.square(grad) - v.read_value()) * one_minus_beta_2)
-            var.assign_sub(m.read_value() * lr_t / (xp.sqrt(v.read_value()) + epsilon))
+        for var, grad, slots in items:  # on the buffers themselves: shapes and dtypes were checked once per step
+            m, v, w = slots[0]._writable(), slots[1]._writable(), var._writable()
+            xp.add(m, (grad - m) * one_minus_beta_1, out=m, casting="same_kind")
+            xp.add(v, (xp.square(grad) - v) * one_minus_beta_2, out=v, casting="same_kind")
+            xp.subtract(w, m * lr_t / (xp.sqrt(v) + epsilon), out=w, casting="same_kind")
 
     def __repr__(self) -> str:
         return (f"<Adam name={self.name!r} learning_rate={self.learning_rate} beta_1={self.beta_1} "
