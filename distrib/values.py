@@ -162,6 +162,11 @@ def select_replicas(structure: Any, count: int, exact: bool = True) -> list[Any]
 
 
 def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool = False) -> list[Any]:
+    if type(structure) in _PLAIN_DISTRIBUTED:  # one PerReplica or Mirrored: its components, no structure walk
+        problem = _missing_components(structure, count, exact)
+        if problem is not None:
+            raise ValueError(f"{problem} at path {format_path(())}.")
+        return [structure._values[i] for i in replica_ids]
     if type(structure) in _LEAF_TYPES and not isinstance(structure, DistributedValues):  # the same everywhere
         return [structure] * len(replica_ids)
     if type(structure) is tuple and any(type(x) is not PerReplica for x in structure):
@@ -174,11 +179,9 @@ def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool 
     if not distributed:
         return [structure] * len(replica_ids)
     for k in distributed:
-        have = len(leaves[k]._values)
-        if have < count or (exact and have != count):
-            needed = count if exact else f"at least {count}"
-            raise ValueError(f"A {type(leaves[k]).__name__} needs one component per replica ({needed}). Received: "
-                             f"{have} components at path {format_path(spec.paths()[k])}.")
+        problem = _missing_components(leaves[k], count, exact)
+        if problem is not None:
+            raise ValueError(f"{problem} at path {format_path(spec.paths()[k])}.")
     if len(distributed) == len(leaves):  # e.g. a list of gradients: every leaf is per-replica
         return [unflatten(spec, [leaf._values[i] for leaf in leaves]) for i in replica_ids]
     out = []
@@ -188,6 +191,15 @@ def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool 
             picked[k] = leaves[k]._values[replica_id]
         out.append(unflatten(spec, picked))
     return out
+
+
+def _missing_components(value: DistributedValues, count: int, exact: bool) -> str | None:
+    """What is wrong unless `value` has `count` components (with `exact`) or at least `count`; else None."""
+    have = len(value._values)
+    if have < count or (exact and have != count):
+        needed = count if exact else f"at least {count}"
+        return f"A {type(value).__name__} needs one component per replica ({needed}). Received: {have} components"
+    return None
 
 
 def local_components(value: Any) -> tuple | None:
