@@ -157,3 +157,23 @@ def test_a_rank_stopped_inside_a_transfer_aborts_the_job_past_the_timeout(tmp_pa
     assert error.startswith("distrib.errors.DeadlineExceededError: all_reduce across processes did not complete "
                             "within 2 s")
     assert "rank 1 (pid " in error and "stopped" in error  # and MPI_Abort ended the job: no hang
+
+
+
+@pytest.fixture(scope="module")
+def one_replica_each(tmp_path_factory):
+    report = tmp_path_factory.mktemp("one_replica") / "report.json"
+    done = mpirun("one_replica.py", str(report), timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(report.read_text())
+
+
+def test_one_replica_per_process_all_reduces_as_one_process(one_replica_each):
+    checks = {name: ok for name, ok in one_replica_each.items() if name != "flood"}
+    assert len(checks) == 16 and all(checks.values()), checks
+
+
+def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each):
+    flood = one_replica_each["flood"]
+    assert flood["sent_while_in_flight"] > 0  # the peer's queue filled: some went out beside the persistent send
+    assert flood["missing"] == [] and flood["sum after"] == 3.0

@@ -1,8 +1,8 @@
 """Collectives across MPI ranks that cannot hang on a missing peer: each is announced to every peer, then made.
 
-Before a collective a rank sends its number to every peer on a communicator of its own (8 bytes, one
-non-blocking send each) and polls pre-posted persistent receives until every peer has announced it too; only
-then does it make the blocking, fast MPI call, which every peer is about to make as well. A peer that never
+Before a collective a rank sends its number to every peer on a communicator of its own (8 bytes, restarting
+one persistent send per peer) and polls pre-posted persistent receives until every peer has announced it too;
+only then does it make the blocking, fast MPI call, which every peer is about to make as well. A peer that never
 announces it within the timeout is named in a DeadlineExceededError. (Open MPI's non-blocking collectives, which
 could be polled directly, move a 1 MB buffer 3-5 times slower than its blocking ones.)
 
@@ -13,18 +13,18 @@ host runs more ranks than it has cores, and naps once a peer is more than `SPIN_
 
 from __future__ import annotations
 
+import array
 import os
 import threading
 import time
 from typing import Any, Callable, NamedTuple
-
-import numpy as np
 
 from distrib.errors import DeadlineExceededError
 from distrib.options import default_timeout
 
 _TAG = 17
 _CHECK_SENDS_EVERY = 32
+QUICK_POLLS = 64  # polls made before the wait looks at the clock: a peer in step announces within microseconds
 SPIN_SECONDS = 0.05  # a late peer is polled without pause this long, then every NAP_SECONDS
 NAP_SECONDS = 0.0005
 
@@ -59,13 +59,19 @@ class Channel:
         self.in_call: InCall | None = None
         self._peers = tuple(r for r in range(group.size) if r != group.rank)
         self._seen = [0] * len(self._peers)  # the last collective each peer announced
-        self._inbox = np.zeros(len(self._peers), np.int64)
-        self._receives = [self._board.Recv_init([self._inbox[k:k + 1], MPI.INT64_T], source=peer, tag=_TAG)
-                          for k, peer in enumerate(self._peers)]
+        # Python arrays, not NumPy: after a large transfer has evicted the interpreter's working set from the
+        # caches, every distinct piece of code a collective runs costs cache misses (NumPy's scalar paths
+        # cost microseconds there); persistent requests likewise spare building a request per message
+        self._inboxes = [array.array("q", [0]) for _ in self._peers]
+        self._receives = [self._board.Recv_init([inbox, MPI.INT64_T], source=peer, tag=_TAG)
+                          for inbox, peer in zip(self._inboxes, self._peers)]
+        self._stamp = array.array("q", [0])  # the number announced, sent to every peer by `_stamp_sends`
+        self._stamp_sends = [self._board.Send_init([self._stamp, MPI.INT64_T], dest=peer, tag=_TAG)
+                             for peer in self._peers]
         if self._receives:
             MPI.Prequest.Startall(self._receives)
-        self._sends: list[Any] = []
-        self._stamps: list[np.ndarray] = []  # the buffers of sends not known to be complete
+        self._sends: list[Any] = []  # announcements sent while the stamp's were in flight, not known complete
+        self._stamps: list[array.array] = []  # their buffers
         self._lock = threading.Lock()
 
     def run(self, what: str, call: Callable[[], Any], timeout: float | None) -> None:
@@ -107,14 +113,23 @@ class Channel:
             self._lock.release()
 
     def _announce(self) -> None:
-        self.sequence += 1
-        if not self._peers:
+        self.sequence = sequence = self.sequence + 1
+        sends = self._stamp_sends
+        if not sends:
+            return
+        for send in sends:  # one call per request: Testall and Startall build an array of them each time
+            if not send.Test():
+                break
+        else:  # 8-byte sends complete at once: the stamp is free again
+            self._stamp[0] = sequence
+            for send in sends:
+                send.Start()
             return
         MPI = self.group.MPI
-        if len(self._sends) >= _CHECK_SENDS_EVERY and MPI.Request.Testall(self._sends):  # 8-byte sends complete
-            self._sends.clear()                                                         # at once: look seldom
+        if len(self._sends) >= _CHECK_SENDS_EVERY and MPI.Request.Testall(self._sends):  # rare: look seldom
+            self._sends.clear()
             self._stamps.clear()
-        stamp = np.array([self.sequence], np.int64)
+        stamp = array.array("q", [sequence])  # a buffer of its own; MPI keeps messages to a peer in order
         self._stamps.append(stamp)
         for peer in self._peers:
             self._sends.append(self._board.Isend([stamp, MPI.INT64_T], dest=peer, tag=_TAG))
@@ -129,11 +144,15 @@ class Channel:
                 if not receive.Test():
                     missing += (self._peers[k],)
                     break
-                self._seen[k] = int(self._inbox[k])  # peers announce 1, 2, 3, ... in order
+                self._seen[k] = self._inboxes[k][0]  # peers announce 1, 2, 3, ... in order
                 receive.Start()
         return missing
 
     def _wait_for_peers(self, what: str, timeout: float | None) -> None:
+        if not self._yield:
+            for _ in range(QUICK_POLLS):
+                if not self._missing():
+                    return
         begin = time.monotonic()
         limit = timeout if timeout is not None else default_timeout()
         while True:

@@ -1,0 +1,50 @@
+"""Run under `mpirun -np 2` with one emulated replica per process; rank 0 writes what it saw to the JSON file argv[1].
+
+First the MPI backend's all-reduce in the shapes one replica per process takes (its own buffer sent as MPI sums
+it, float16 summed as float32, chunked calls, means); then rank 0 runs thousands of announcements ahead of rank 1,
+which does not poll meanwhile: they fill the shared-memory queue, so some go out while an earlier one is still in
+flight, and every one must still arrive, in order, with the collectives after them pairing up.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from distrib.backends.mpi import MpiBackend
+
+AHEAD = 3000
+backend = MpiBackend(1)
+group, devices = backend.group, backend.default_devices()
+report: dict = {}
+for dtype in ("float32", "float16", "int32"):
+    for size in (10, 1 << 15):  # below and above the buffer pool's threshold
+        values = np.arange(size) % 100
+        mine = (values * (group.rank + 1)).astype(dtype)  # summed over the 2 ranks: 3 * values
+        cases = [("sum", ((0, size),), False), ("chunked sum", ((0, 3), (3, size)), False)]
+        for name, chunks, mean in cases + [("mean", ((0, size),), True)] * (dtype != "int32"):  # of floats only
+            (result,) = backend.all_reduce([mine], chunks, devices, mean)
+            expected = values * (1.5 if mean else 3)
+            report[f"{name} of {size} {dtype}"] = bool(np.array_equal(result, expected.astype(result.dtype))) and \
+                not result.flags.writeable and not np.shares_memory(result, mine)
+
+channel = group.channels[0]
+sent_while_in_flight = 0
+if group.rank == 0:
+    for _ in range(AHEAD):
+        group.announce()
+        sent_while_in_flight = max(sent_while_in_flight, len(channel._stamps))
+else:
+    time.sleep(1.0)  # does not poll: rank 0's announcements pile up
+    for _ in range(AHEAD):
+        group.announce()
+group.barrier("the barrier after the flood", timeout=20)
+(total,) = backend.all_reduce([np.array([group.rank + 1.0])], ((0, 1),), devices, False, timeout=20)
+report["flood"] = {"sent_while_in_flight": sent_while_in_flight, "missing": list(group.missing(channel.sequence)),
+                   "sum after": float(total[0])}
+if group.rank == 0:
+    with open(sys.argv[1], "w") as file:
+        json.dump(report, file)
