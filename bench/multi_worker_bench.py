@@ -3,10 +3,10 @@
 Run it as `python bench/multi_worker_bench.py` (it relaunches itself under `mpirun -np 2`) or under your own
 `mpirun -np N python bench/multi_worker_bench.py --launched`. Each process drives one emulated replica, so every
 column moves the same bytes between the same processes; the raw column is `comm.Allreduce(src, dst, SUM)` on the
-very arrays distrib reduces; `backend` is the MPI backend's `all_reduce` of that array alone (the transport layer,
-as bench/nccl_bench.py times the CUDA backend), `reduce_to` and `run` the strategy's API on top of it. The columns
-are interleaved call by call (raw, backend, reduce_to, run, raw, ...), every
-call started by a barrier and timed on its own, so a core taken away by another job hits every column alike and
+very arrays distrib reduces, into the pooled buffer distrib's results land in; `backend` is the MPI backend's
+`all_reduce` of that array alone (the transport layer, as bench/nccl_bench.py times the CUDA backend), `reduce_to`
+and `run` the strategy's API on top of it. The columns are interleaved call by call (raw, backend, reduce_to, run,
+raw, ...), every call started by a barrier and timed on its own, so a core taken away by another job hits every column alike and
 shows up as an outlier that the median ignores. The target: distrib's median within 10 % of raw's from 1 MB
 (PASS/FAIL per row and column).
 Rank 0 prints the table and writes the JSON to bench/results/multi-worker-<date>-cpu.json.
@@ -53,33 +53,40 @@ def measure(strategy, comm, kilobytes: int, seconds: float) -> dict:
 
     elements = kilobytes * 1024 // 4
     source = np.random.default_rng(comm.rank).random(elements, dtype=np.float32)
-    raw_out = np.empty_like(source)
     per_replica = strategy.experimental_distribute_values_from_function(lambda ctx: source)
     extended = strategy.extended
     backend, devices = extended.backend, list(extended.worker_devices)
-    steps = {"raw": lambda: comm.Allreduce(source, raw_out),
+    # raw's destination: the pooled buffer distrib's results land in, taken before the clock starts, so that every
+    # call of every column writes the buffer the call before wrote. With a buffer of its own, written every 4th
+    # call only, identical raw calls were 5-15 % slower at 1 MB and 20-60 % at 4 MB (the others evict it)
+    destination: list[np.ndarray] = []
+    steps = {"raw": lambda: comm.Allreduce(source, destination[-1]),
              "backend": lambda: backend.all_reduce([source], ((0, elements),), devices, False),
              "reduce_to": lambda: extended.reduce_to("SUM", per_replica, destinations=per_replica),
              "run": lambda: strategy.run(lambda x: distrib.get_replica_context().all_reduce("SUM", x),
                                          args=(per_replica,))}
-    steps["raw"]()
+    raw_out = np.empty_like(source)
+    comm.Allreduce(source, raw_out)
     np.testing.assert_allclose(steps["backend"]()[0], raw_out, rtol=1e-6)
     for name in ("reduce_to", "run"):
         np.testing.assert_allclose(strategy.experimental_local_results(steps[name]())[0], raw_out, rtol=1e-6)
     comm.Barrier()
     begin = time.perf_counter()
     for _ in range(5):
-        steps["raw"]()
+        comm.Allreduce(source, raw_out)
     calls = comm.bcast(int(min(5000, max(50, seconds / ((time.perf_counter() - begin) / 5)))), root=0)
     samples: dict[str, list[float]] = {name: [] for name in COLUMNS}
     comm.Barrier()
     for _ in range(calls):  # call by call, every rank in the same order, started together
         for name in COLUMNS:
             step = steps[name]
+            if name == "raw":
+                destination.append(backend._pool.empty(source.shape, source.dtype))
             comm.Barrier()
             start = time.perf_counter()
             step()
             samples[name].append((time.perf_counter() - start) * 1e6)
+            destination.clear()  # back to the pool
     row = {"kilobytes": kilobytes, "elements": elements, "calls": calls}
     for name, values in samples.items():
         values.sort()
