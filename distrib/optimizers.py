@@ -169,14 +169,17 @@ class Optimizer:
         reduced = extended.batch_reduce_to(ReduceOp.MEAN, list(zip(grads, destinations)))
         step = self._iterations_count() + 1
         groups: dict[tuple[str, np.dtype], list] = {}  # (device, compute dtype) -> [(copy, gradient, slot copies)]
-        for var, grad in zip(variables, reduced):
-            slots = [PerReplica(s.values) if isinstance(s, DistributedVariable) else s
-                     for s in self._slots[var].values()]  # update hands each copy its own slot copies
-            # `groups` is bound rather than passed in args: update unwraps args per copy, and walking every
-            # variable filed so far at each call made a step quadratic in the number of variables
-            extended.update(var, functools.partial(self._collect, groups), args=(grad, *slots), group=False)
+        # `groups` is bound rather than passed in args: update unwraps args per copy, and walking every variable
+        # filed so far at each call made a step quadratic in the number of variables
+        collect = functools.partial(self._collect, groups)
         backend = extended.backend
-        with deferred_interrupts():  # Ctrl-C lands before the step's writes or after all of them
+        # Ctrl-C lands before the step's writes or after all of them; one block for the whole step, so that each
+        # update filing a variable's copies nests in it instead of swapping the SIGINT handler twice
+        with deferred_interrupts():
+            for var, grad in zip(variables, reduced):
+                slots = [PerReplica(s.values) if isinstance(s, DistributedVariable) else s
+                         for s in self._slots[var].values()]  # update hands each copy its own slot copies
+                extended.update(var, collect, args=(grad, *slots), group=False)
             for (device, dtype), items in groups.items():  # the backend's fused kernels if any, else array math
                 coefficients = self._coefficients(dtype, step)
                 with backend.device_scope(device):
