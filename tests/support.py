@@ -1,11 +1,19 @@
 """Helpers shared by the tests: other libraries' arrays, PyTorch or a skip, read-only results, four replicas."""
 
+import signal
+
 import numpy as np
 import pytest
 
 import distrib
 
 DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+
+
+def default_sigint() -> None:
+    """A child process's `preexec_fn`: SIGINT back to its default, so that the child's Python turns Ctrl-C into
+    KeyboardInterrupt even when the tests run with SIGINT ignored (a shell starts background jobs that way)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def per_replica(strategy, fn):

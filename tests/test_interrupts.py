@@ -14,6 +14,7 @@ import textwrap
 import time
 
 import pytest
+from support import default_sigint
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(os.name != "posix", reason="POSIX signals")]
 
@@ -51,7 +52,7 @@ class Child:
     def __init__(self, script: str, loop: str = ""):
         source = PRELUDE + textwrap.dedent(script) + loop
         self.process = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, text=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=default_sigint)
 
     def read(self, timeout: float = 20.0) -> dict:
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)

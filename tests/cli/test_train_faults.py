@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from support import default_sigint
 
 from distrib.cli.train import main as train_main
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_ctrl_c_abandons_the_step_names_the_checkpoint_and_exits_130(tmp_path):
     flags = ["--replicas", "2", "--epochs", "500", "--out", str(tmp_path)]
     process = subprocess.Popen([sys.executable, "-m", "distrib", "train", *flags], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ckpt").exists() and process.poll() is None and time.monotonic() < deadline:
