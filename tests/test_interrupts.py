@@ -46,6 +46,20 @@ def report(**fields):
 """
 
 
+_children: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_child_outlives_its_test():
+    """A child whose test failed half way would loop in its steps for good: it ends with its test."""
+    yield
+    while _children:
+        process = _children.pop()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 class Child:
     """A Python process running `script` after PRELUDE, read line by line as JSON."""
 
@@ -53,6 +67,7 @@ class Child:
         source = PRELUDE + textwrap.dedent(script) + loop
         self.process = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE, text=True,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=default_sigint)
+        _children.append(self.process)
 
     def read(self, timeout: float = 20.0) -> dict:
         ready, _, _ = select.select([self.process.stdout], [], [], timeout)
