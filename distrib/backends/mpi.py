@@ -165,7 +165,7 @@ class MpiBackend(CpuBackend):
             total = reduction[1]
         if mean:
             np.true_divide(total, self.group.num_replicas, out=total)
-        return _results(total, len(devices))
+        return shared_views(total, len(devices))
 
     def all_gather(self, flats, devices, *, timeout=None):
         """Every replica's flat array (all of one length), of every process, in global replica order."""
@@ -181,7 +181,7 @@ class MpiBackend(CpuBackend):
         displacements = np.cumsum([0] + counts[:-1]).tolist()
         group.run("all_gather", lambda: group.comm.Allgatherv(
             [local, mpi_type], [gathered, (counts, displacements), mpi_type]), timeout)
-        return _results(gathered, len(devices))
+        return shared_views(gathered, len(devices))
 
     def reduce_scatter(self, flats, devices, *, timeout=None):
         """Local replica i gets global slice `first_replica + i` of the sum over every replica."""
@@ -202,16 +202,7 @@ class MpiBackend(CpuBackend):
         group.run("broadcast", lambda: group.comm.Bcast(spec, root=0), timeout)
         if wire is not out:
             np.copyto(out, wire, casting="unsafe")
-        return _results(out, len(devices))
+        return shared_views(out, len(devices))
 
     def __repr__(self) -> str:
         return f"<MpiBackend rank={self.group.rank} of {self.group.size}, replicas={self.group.replica_counts}>"
-
-
-def _results(total: np.ndarray, count: int) -> list[np.ndarray]:
-    """The read-only result of each of `count` local devices: for one, `total` itself (a view costs microseconds
-    right after a transfer); for several, a view each."""
-    if count == 1:
-        total.flags.writeable = False
-        return [total]
-    return shared_views(total, count)
