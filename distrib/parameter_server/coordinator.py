@@ -111,6 +111,7 @@ class ClusterCoordinator:
 
     def _start(self, strategy: Any) -> None:
         self._strategy = strategy
+        self._worker_strategy = strategy._worker_factory()  # what each closure enters on its worker
         self._ids = itertools.count()
         self._queue = ClosureQueue(strategy._cluster.start_workers(), strategy._cluster.forget)
         weakref.finalize(self, self._queue.stop)  # a coordinator dropped with its strategy ends its threads
@@ -132,8 +133,8 @@ class ClusterCoordinator:
             raise TypeError(f"args must be a tuple or list. Received: {type(args).__name__}.")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict. Received: {type(kwargs).__name__}.")
-        closure = Closure(next(self._ids), functools.partial(run_in_scope, self._strategy._worker_factory(), fn), tuple(args or ()),
-                          dict(kwargs or {}), RemoteValue)
+        closure = Closure(next(self._ids), functools.partial(run_in_scope, self._worker_strategy, fn),
+                          tuple(args or ()), dict(kwargs or {}), RemoteValue)
         self._queue.put(closure)
         return closure.result
 

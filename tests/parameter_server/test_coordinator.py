@@ -139,7 +139,8 @@ def test_a_closure_runs_in_its_strategys_cross_replica_context(strategy, coordin
 
     def step():
         optimizer.apply_gradients([(np.ones(3, np.float32), w)])
-        return distrib.get_strategy() is strategy, distrib.get_replica_context() is None, distrib.in_cross_replica_context()
+        return (distrib.get_strategy() is strategy, distrib.get_replica_context() is None,
+                distrib.in_cross_replica_context())
 
     results = [coordinator.schedule(step) for _ in range(4)]
     coordinator.join()
