@@ -6,9 +6,9 @@ column moves the same bytes between the same processes; the raw column is `comm.
 very arrays distrib reduces, into the pooled buffer distrib's results land in; `backend` is the MPI backend's
 `all_reduce` of that array alone (the transport layer, as bench/nccl_bench.py times the CUDA backend), `reduce_to`
 and `run` the strategy's API on top of it. The columns are interleaved call by call (raw, backend, reduce_to, run,
-raw, ...), every call started by a barrier and timed on its own, so a core taken away by another job hits every column alike and
-shows up as an outlier that the median ignores. The target: distrib's median within 10 % of raw's from 1 MB
-(PASS/FAIL per row and column).
+raw, ...), every call started by a barrier and timed on its own, so a core taken away by another job hits every
+column alike and shows up as an outlier that the median ignores. The target: distrib's median within 10 % of raw's
+from 1 MB (PASS/FAIL per row and column).
 Rank 0 prints the table and writes the JSON to bench/results/multi-worker-<date>-cpu.json.
 """
 

@@ -160,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
              f"warmup iters: {args.warmup_iters} iters: {args.iters} validation: {args.check}",
              *notes, "#", "# Using devices", *using, "#"]
     groups = [s.name for s in series]
-    out = Output(sum(len(_row_sizes(args, p.dtype)) for p in passes) * len(series), plain=mpi_environment() is not None) \
-        if job.chief else None
+    row_count = sum(len(_row_sizes(args, p.dtype)) for p in passes) * len(series)
+    out = Output(row_count, plain=mpi_environment() is not None) if job.chief else None
     if out:
         out.lines(lines + [header(groups, ("vs raw",))])
     rows, busbw, wrong_total = [], {s.name: [] for s in series}, 0
