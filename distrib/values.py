@@ -226,14 +226,15 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     if _is_empty(first) and all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine
         return {} if type(first) is dict else first
     kind = type(first)
-    if kind in _LEAF_TYPES and len(per_replica) == 1 and not always_wrap:  # one replica's array: itself
-        return first
+    if len(per_replica) == 1 and not always_wrap:  # every leaf is "the same object everywhere": itself
+        if kind in _LEAF_TYPES:
+            return first
+        leaves, spec = flatten(first)
+        return unflatten(spec, leaves)
     if kind in _LEAF_TYPES and len(per_replica) > 1 and per_replica[1] is not first and \
             all(type(x) is kind for x in per_replica):  # one distinct array per replica: the usual result of a run
         return wrap_class._wrap(tuple(per_replica))
     first_leaves, spec = flatten(first)
-    if len(per_replica) == 1 and not always_wrap:  # every leaf is "the same object everywhere": itself
-        return unflatten(spec, first_leaves)
     columns = [first_leaves]
     for replica_id, structure in enumerate(per_replica[1:], start=1):
         leaves, other_spec = flatten(structure)
