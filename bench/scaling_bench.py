@@ -132,14 +132,7 @@ def evaluate_targets(rows: list[dict], sizes: list[int]) -> list[dict]:
 
 def table(title: str, header: list[str], rows: list[list[str]], caption: str) -> None:
     """A rich table on a terminal; aligned plain text when piped or redirected (logs, CI)."""
-    if sys.stdout.isatty():
-        show(title, header, rows, caption)
-        return
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    print(f"\n{title}")
-    for line in [header] + rows:
-        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths)))
-    print(caption)
+    show(title, header, rows, caption, plain=not sys.stdout.isatty())
 
 
 def report(rows: list[dict], targets: list[dict], cores: int, load: float) -> None:

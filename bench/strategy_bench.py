@@ -152,12 +152,15 @@ def checkout_revision() -> str | None:
         return None
 
 
-def show(title: str, header: list[str], rows: list[list[str]], caption: str = "") -> None:
-    """A table through rich when it is installed, else aligned plain text."""
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
+def show(title: str, header: list[str], rows: list[list[str]], caption: str = "", plain: bool = False) -> None:
+    """A table through rich when it is installed, else (or with `plain`) aligned plain text."""
+    if not plain:
+        try:
+            from rich.console import Console
+            from rich.table import Table
+        except ImportError:
+            plain = True
+    if plain:
         widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
         print(f"\n{title}")
         for line in [header] + rows:
