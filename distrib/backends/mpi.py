@@ -54,6 +54,7 @@ class MpiBackend(CpuBackend):
     """
 
     name = "mpi"
+    merges_on_replica_threads = False  # MPI calls stay on the thread that calls run
 
     def __init__(self, num_local_replicas: int | None = None):
         super().__init__(num_local_replicas)
