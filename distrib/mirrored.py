@@ -1,15 +1,11 @@
 """MirroredStrategy: one persistent thread per replica, and the rendezvous where merge_call runs cross-replica.
 
 A `run` is a sequence of phases. In each phase every replica thread runs its function until it either returns
-or reaches a collective (every collective is a merge_call); once all have reported, replica 0's merge function
-runs once, in the cross-replica context, each replica gets its share, and the next phase starts. On the CPU
-emulator the merge runs on the replica thread that arrived last, which then wakes the others: waking the
-calling thread for it, and the replicas from it, would cost two more thread handoffs per merge. Where host
-work is tied to a thread (a CUDA device and stream, MPI) the calling thread runs it, as TensorFlow does. Either
-way one thread runs the merge while every other replica thread waits. Replica threads run concurrently, as
-TensorFlow's replicas do inside a tf.function, so NumPy and CuPy work in different replicas overlaps; Python
-state shared between replicas needs a lock. A single local replica has nothing to overlap with: without a run
-deadline it runs on the calling thread.
+or reaches a collective (every collective is a merge_call); once all have reported, the calling thread runs
+replica 0's merge function once, in the cross-replica context, hands each replica its share, and starts the
+next phase. Replica threads run concurrently, as TensorFlow's replicas do inside a tf.function, so NumPy and
+CuPy work in different replicas overlaps; Python state shared between replicas needs a lock. A single local
+replica has nothing to overlap with: without a run deadline it runs on the calling thread.
 
 Failure handling: the first exception in a replica (or in a merge function) stops the run; replicas waiting
 at a collective are woken and unwound, and the exception reaches the caller of `run` with the replica id in
@@ -36,8 +32,8 @@ from distrib.interrupts import deferred_interrupts
 from distrib.options import CommunicationOptions, RunOptions, default_timeout
 from distrib.replica_context import ReplicaContext
 from distrib.replica_team import IdleThreadsTeam, ReplicaTeam
-from distrib.replica_threads import (DONE, MERGING, RUNNING, WAITING, ReplicaThread, RequestedStop, Run,
-                                     executing_worker, retire_all, wake_all)
+from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, executing_worker,
+                                     retire_all, wake_all)
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
 from distrib.values import regroup, select_replicas
@@ -75,7 +71,7 @@ class MirroredExtended(StrategyExtended):
         return self._threads
 
     def _close(self) -> None:
-        if self._running_thread == threading.get_ident() or self._merging_on_this_thread():
+        if self._running_thread == threading.get_ident():
             raise ContextError("Strategy.close cannot be called inside the strategy's own run.")
         with self._run_lock:
             self._closed = True
@@ -87,7 +83,7 @@ class MirroredExtended(StrategyExtended):
         started = time.monotonic()
         deadline = None if run_timeout is None else started + run_timeout
         inline = deadline is None and len(self._devices) == 1  # nothing to overlap, no deadline to keep
-        if self._running_thread == threading.get_ident() or self._merging_on_this_thread():
+        if self._running_thread == threading.get_ident():
             # run from a merge_fn: the replica threads wait in the merge, so this run gets threads of its own
             # (TensorFlow starts threads for every run, so nesting works there too)
             if inline:
@@ -125,13 +121,6 @@ class MirroredExtended(StrategyExtended):
                 self._running_thread = None
                 self._run_lock.release()
 
-    def _merging_on_this_thread(self) -> bool:
-        """Whether the calling thread is one of this strategy's replica threads running a merge."""
-        worker = executing_worker()
-        run = None if worker is None else worker.current
-        return run is not None and run.strategy is self._container_strategy and \
-            run.status[worker.replica_id] == MERGING
-
     def _refuse_a_run_that_would_wait_forever(self) -> None:
         """ContextError if the run in progress waits, without a timeout, for the thread calling `run`."""
         holder = self._running_thread
@@ -149,8 +138,7 @@ class MirroredExtended(StrategyExtended):
         strategy = self._container_strategy
         first = self._first_local_replica
         run = Run(strategy, tuple(ReplicaContext(strategy, first + i, first) for i in range(count)), fn,
-                  select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout, deadline,
-                  threads, self._merge if self._backend.merges_on_replica_threads else None)
+                  select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout, deadline)
         try:
             with deferred_interrupts():  # every thread starts, or (interrupted before) none
                 for worker in threads:
@@ -213,12 +201,10 @@ class MirroredExtended(StrategyExtended):
     def _wait_for_phase(self, run: Run, threads: list[ReplicaThread]) -> None:
         while not run.phase_done.acquire(timeout=_POLL_SECONDS):
             if run.deadline is not None and time.monotonic() >= run.deadline:
-                late = [i for i, s in enumerate(run.status) if s in (RUNNING, MERGING)]
-                merging = [i for i, s in enumerate(run.status) if s == MERGING]
+                late = [i for i, s in enumerate(run.status) if s == RUNNING]
                 raise DeadlineExceededError(
                     f"Strategy.run did not finish within RunOptions(timeout_seconds=...): replicas {late} are "
-                    f"still running their function{f' (replica {merging[0]} runs a merge)' if merging else ''}."
-                    f"\n{_stacks(threads, late)}",
+                    f"still running their function.\n{_stacks(threads, late)}",
                     missing_replicas=tuple(late), operation="run")
             with run.lock:
                 first = run.first_arrival
@@ -237,9 +223,7 @@ class MirroredExtended(StrategyExtended):
                 f"CommunicationOptions(timeout_seconds=...) or $DISTRIB_COLLECTIVE_TIMEOUT if the work is "
                 f"just slow.\n{_stacks(threads, missing)}", missing_replicas=missing, operation=kind)
 
-    def _merge(self, run: Run, helpers: list[ReplicaThread]) -> list:
-        """Runs the merge every replica waits at, cross-replica, with `helpers` lent to split its work: on the
-        caller of run, or on the replica thread that arrived last (`Backend.merges_on_replica_threads`)."""
+    def _merge(self, run: Run, threads: list[ReplicaThread]) -> list:
         kinds = [r[0] for r in run.requests]
         if len(set(kinds)) > 1:
             detail = ", ".join(f"replica {i}: {k}" for i, k in enumerate(kinds))
@@ -247,7 +231,7 @@ class MirroredExtended(StrategyExtended):
                                          f"replica must call them in the same order. Received: {detail}.")
         merge = run.requests[0][1]
         try:
-            with context.frame(self._container_strategy, None), lend(ReplicaTeam(helpers)), \
+            with context.frame(self._container_strategy, None), lend(ReplicaTeam(threads)), \
                     timeline.span(kinds[0], "merge_call"):
                 return list(merge([r[2] for r in run.requests]))
         except BaseException as exc:
@@ -257,21 +241,16 @@ class MirroredExtended(StrategyExtended):
     def _stop(self, run: Run, threads: list[ReplicaThread], patience: float) -> None:
         """Wakes replicas waiting at a collective so they unwind; replaces the threads that do not come back.
 
-        A merge in progress on a replica thread runs to its end first (a variable update is never left half
-        written); then it waits up to `patience` seconds for replicas still in user code to stop (a Ctrl-C cuts
-        either wait short); every step that changes the threads runs whole, so a second Ctrl-C cannot leave them
-        half stopped.
+        Waits up to `patience` seconds for replicas still in user code to stop (a Ctrl-C cuts the wait short);
+        every step that changes the threads runs whole, so a second Ctrl-C cannot leave them half stopped.
         """
-        try:
+        with deferred_interrupts():
             with run.lock:
-                run.stopped = True  # no merge starts from here on
-            # until a merge on a replica thread ends, the replicas lent to it may be running its shares
-            run.wait_for_merge()
-            with deferred_interrupts():
-                with run.lock:
-                    waiting = [i for i, s in enumerate(run.status) if s == WAITING]
-                for i in waiting:
-                    threads[i].wake()
+                run.stopped = True
+                waiting = [i for i, s in enumerate(run.status) if s == WAITING]
+            for i in waiting:
+                threads[i].go.release()
+        try:
             run.wait_until_all_left(patience)
         finally:
             with deferred_interrupts():

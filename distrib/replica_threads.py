@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from distrib import context, timeline
 from distrib.backends import Backend
 
-RUNNING, WAITING, MERGING, DONE, FAILED = "running", "waiting", "merging", "done", "failed"
+RUNNING, WAITING, DONE, FAILED = "running", "waiting", "done", "failed"
 
 _STACK_FRAMES = 6  # innermost frames shown for a replica that is late
 _executing = threading.local()  # .worker: the ReplicaThread running on this thread
@@ -31,23 +31,17 @@ class Run:
       fn, args, kwargs: what each replica calls, with args and kwargs already selected per replica.
       default_timeout: seconds a collective waits when its options give none.
       deadline: `time.monotonic()` by which the whole run must end, or None.
-      threads: the replica threads running it, in replica order.
-      merge: `merge(run, helpers)` runs the merge every replica is waiting at and returns each replica's share,
-        with `helpers` lent to split its work; None: merges run on the calling thread, which is woken for each.
     """
 
     def __init__(self, strategy: Any, contexts: Sequence[Any], fn: Callable, args: list, kwargs: list,
-                 default_timeout: float, deadline: float | None, threads: Sequence[ReplicaThread] = (),
-                 merge: Callable[[Run, list], list] | None = None):
+                 default_timeout: float, deadline: float | None):
         count = len(contexts)
         self.strategy, self.contexts, self.fn, self.args, self.kwargs = strategy, contexts, fn, args, kwargs
         self.default_timeout, self.deadline = default_timeout, deadline
-        self.threads, self.merge = threads, merge
         self.lock = _thread.allocate_lock()
         self.phase_done = _thread.allocate_lock()
         self.all_left = _thread.allocate_lock()  # released by the last replica thread to leave the run
         self.all_left.acquire()
-        self.merge_over = _thread.allocate_lock()  # held while a replica thread runs a merge
         self.present = count  # replica threads not yet finished with this run
         self.status = [RUNNING] * count
         self.requests: list[Any] = [None] * count
@@ -74,43 +68,17 @@ class Run:
             self.woken = True
             self.phase_done.release()
 
-    def arrive(self, replica_id: int) -> str | None:
-        """A replica reached a collective. Returns WAITING (wait to be woken), MERGING (this replica arrived last
-        and runs the merge, see `merge`) or None (the run was stopped)."""
-        with self.lock:
-            if self.stopped:
-                return None
-            status = self.status
-            status[replica_id] = WAITING
-            if self.first_arrival is None:
-                self.first_arrival = time.monotonic()
-            self.pending -= 1
-            if self.pending:
-                return WAITING
-            kind = self.requests[0][0]
-            if self.merge is not None and status.count(WAITING) == len(status) and \
-                    all(request[0] == kind for request in self.requests):
-                status[replica_id] = MERGING
-                self.merge_over.acquire()
-                self.first_arrival = None  # a merge is not late, however long it takes
-                return MERGING
-            self._wake()  # the caller raises the mismatch, or merges
-            return WAITING
-
-    def wait_for_merge(self) -> None:
-        """Returns once no replica thread runs a merge: a merge, once started, ends before the run does, as it
-        would on the calling thread (a Ctrl-C meanwhile cuts the wait short)."""
-        self.merge_over.acquire()
-        self.merge_over.release()
-
-    def resume(self, merged: list) -> bool:
-        """The merge (on a replica thread) succeeded: hand out `merged` and start the next phase; False if the
-        run was stopped meanwhile."""
+    def report(self, replica_id: int, status: str) -> bool:
+        """A replica reached a collective (WAITING) or returned (DONE); False if the run was stopped."""
         with self.lock:
             if self.stopped:
                 return False
-            self.merge_results = merged
-            self.begin_phase()
+            self.status[replica_id] = status
+            if status == WAITING and self.first_arrival is None:
+                self.first_arrival = time.monotonic()
+            self.pending -= 1
+            if self.pending == 0:
+                self._wake()
             return True
 
     def fail(self, replica_id: int | None, exc: BaseException) -> None:
@@ -157,7 +125,6 @@ class Run:
         self.error = None
         self.fn, self.args, self.kwargs = None, [()] * count, [{}] * count
         self.requests, self.results, self.merge_results = [None] * count, [None] * count, [None] * count
-        self.threads, self.merge = (), None
 
 
 class ReplicaThread:
@@ -221,30 +188,12 @@ class ReplicaThread:
         run.requests[i] = request
         run.merge_counts[i] += 1
         with timeline.span(request[0], "merge_call"):
-            arrival = run.arrive(i)
-            if arrival is None:
+            if not run.report(i, WAITING):
                 raise RequestedStop()
-            if arrival == MERGING:
-                return self._merge(run)
             self._wait_for_wake()
         if run.stopped:
             raise RequestedStop()
         return run.merge_results[i]
-
-    def _merge(self, run: Run) -> Any:
-        """Runs the merge every other replica waits at on this thread, then wakes them into the next phase."""
-        others = [worker for worker in run.threads if worker is not self]
-        try:
-            merged = run.merge(run, others)
-        except BaseException:  # noqa: BLE001 - the merge recorded it for the caller of run, which raises it
-            raise RequestedStop() from None
-        finally:
-            run.merge_over.release()
-        if not run.resume(merged):
-            raise RequestedStop()
-        if others:
-            wake_all(others)
-        return merged[self.replica_id]
 
     def _wait_for_wake(self) -> None:
         """Waits until woken to start or resume a run; runs each task handed over meanwhile (a share of a merge's

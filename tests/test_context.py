@@ -57,34 +57,18 @@ def test_run_gives_each_replica_its_own_replica_context(strategy):
         assert here["cross_replica_strategy"] is None
 
 
-def test_merge_fn_runs_once_cross_replica_on_the_replica_thread_that_arrived_last(strategy):
-    seen, arrived = [], []
+def test_merge_fn_runs_once_cross_replica_on_the_thread_that_called_run(strategy):
+    seen = []
 
     def merge_fn(merge_strategy):
         seen.append((merge_strategy, threading.current_thread(), where_am_i()))
 
-    def step():
-        arrived.append(threading.current_thread())
-        distrib.get_replica_context().merge_call(merge_fn)
-
-    strategy.run(step)
+    strategy.run(lambda: distrib.get_replica_context().merge_call(merge_fn))
     ((merge_strategy, thread, here),) = seen
     assert merge_strategy is strategy
-    # the emulator runs it where the last replica arrived, not on the caller: two thread handoffs fewer
-    assert thread is arrived[-1] and thread is not threading.current_thread()
+    assert thread is threading.current_thread()
     assert here["cross_replica"] and here["replica_context"] is None
     assert here["cross_replica_strategy"] is strategy and here["strategy"] is strategy
-
-
-def test_a_backend_that_keeps_host_work_on_one_thread_merges_on_the_caller(strategy, monkeypatch):
-    # CUDA (current device and stream) and MPI keep merges on the thread that called run
-    monkeypatch.setattr(strategy.extended._backend, "merges_on_replica_threads", False)
-    seen = []
-    strategy.run(lambda: distrib.get_replica_context().merge_call(
-        lambda s: seen.append((threading.current_thread(), where_am_i()))))
-    ((thread, here),) = seen
-    assert thread is threading.current_thread()
-    assert here["cross_replica"] and here["cross_replica_strategy"] is strategy
 
 
 def test_the_calling_thread_returns_to_its_context_after_run(strategy):

@@ -106,26 +106,6 @@ def test_a_run_timeout_names_the_stuck_replica_and_shows_where_it_is(strategy):
     assert sum_of_ones(strategy) == [4.0] * 4
 
 
-def test_a_run_timeout_during_a_slow_merge_names_the_replica_running_it_once_the_merge_ends(strategy):
-    ended = []
-
-    def step():  # the merge runs on the replica that arrives last
-        distrib.get_replica_context().merge_call(lambda s: time.sleep(0.8) or ended.append(time.monotonic()))
-
-    with pytest.raises(DeadlineExceededError, match=r"replica \d runs a merge") as excinfo:
-        strategy.run(step, options=RunOptions(timeout_seconds=0.3))
-    assert ended and time.monotonic() >= ended[0]  # a merge, once started, is not abandoned half done
-    (merging,) = excinfo.value.missing_replicas
-    assert f"Replica {merging} is at:" in str(excinfo.value)
-    assert sum_of_ones(strategy) == [4.0] * 4
-
-
-def test_a_slow_merge_is_not_a_collective_timeout():
-    strategy = distrib.MirroredStrategy(DEVICES, communication_options=CommunicationOptions(timeout_seconds=0.2))
-    out = strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: time.sleep(0.5) or 7))
-    assert out == 7
-
-
 def test_a_collective_timeout_shows_where_the_missing_replica_is(strategy):
     gate = threading.Event()
 

@@ -57,9 +57,9 @@ def test_a_merge_shares_its_work_with_the_waiting_replica_threads(strategy):
         distrib.get_replica_context().merge_call(lambda s: run_shares(LARGE, 4, body))
 
     strategy.run(step)
-    # the merge runs on the replica thread that arrived last, and takes a share itself
-    assert all(name.startswith("distrib-replica-") for name in ran_on)
-    assert len(ran_on) == min(usable_cores(), 4, 3)
+    assert threading.current_thread().name in ran_on
+    assert any(name.startswith("distrib-replica-") for name in ran_on)
+    assert len(ran_on) == min(usable_cores(), 5, 3)
 
 
 @pytest.mark.parametrize("op", ["SUM", "MEAN"])

@@ -26,10 +26,6 @@ class Backend(abc.ABC):
     """
 
     name: str = ""
-    # Whether a merge may run on the replica thread that reaches the collective last, instead of waking the
-    # caller of `run` for it: two thread handoffs fewer per merge. Only where no current-device or stream state
-    # (CUDA) or thread-level rule (MPI) ties host work to the calling thread.
-    merges_on_replica_threads: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

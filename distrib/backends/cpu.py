@@ -193,7 +193,6 @@ class CpuBackend(Backend):
     """
 
     name = "cpu"
-    merges_on_replica_threads = True  # emulated devices are no thread state
 
     def __init__(self, num_default_replicas: int | None = None):
         if num_default_replicas is None:

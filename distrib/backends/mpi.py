@@ -54,7 +54,6 @@ class MpiBackend(CpuBackend):
     """
 
     name = "mpi"
-    merges_on_replica_threads = False  # MPI calls stay on the thread that calls run
 
     def __init__(self, num_local_replicas: int | None = None):
         super().__init__(num_local_replicas)
