@@ -34,8 +34,10 @@ class _Members:
     def __init__(self, buffer: Buffer, dtype: np.dtype, count: int):
         self.buffer = buffer
         self.spans = [member.span for member in buffer.members]
+        self.byte_spans = [(span.start * dtype.itemsize, span.stop * dtype.itemsize) for span in self.spans]
         self.copies = [np.empty(member.shape, dtype) for member in buffer.members]
         self.flat_copies = [copy.reshape(-1) for copy in self.copies]  # what the pack's slices are copied into
+        self.byte_copies = [_bytes(copy) for copy in self.flat_copies]
         self.by_device = [[_read_only_view(copy) for copy in self.copies] for _ in range(count)]
         self.idle = [self._member_count(k) for k in range(len(self.copies))]
         self.idle_total = self._total()
@@ -55,10 +57,16 @@ class _Members:
             if self._member_count(k) != self.idle[k]:
                 self.copies[k] = np.empty(member.shape, self.copies[k].dtype)
                 self.flat_copies[k] = self.copies[k].reshape(-1)
+                self.byte_copies[k] = _bytes(self.flat_copies[k])
                 for views in self.by_device:
                     views[k] = _read_only_view(self.copies[k])
                 self.idle[k] = self._member_count(k)
         self.idle_total = self._total()
+
+
+def _bytes(flat: np.ndarray) -> memoryview:
+    """The bytes of a contiguous 1-D array: copying slices of these costs half of NumPy's per-call overhead."""
+    return memoryview(flat.view(np.uint8))
 
 
 def _read_only_view(array: np.ndarray) -> np.ndarray:
@@ -95,6 +103,10 @@ class MemberCopies:
             if on_threads:  # the jobs name the entry, not the copies: a thread may hold its last job a while
                 run_split([functools.partial(_copy_member, entry, flat, k) for k in range(len(entry.spans))],
                           flat.nbytes)
+            elif flat.flags.c_contiguous:
+                source = _bytes(flat)
+                for copy, (start, stop) in zip(entry.byte_copies, entry.byte_spans):
+                    copy[:] = source[start:stop]
             else:
                 for copy, span in zip(entry.flat_copies, entry.spans):
                     copy[...] = flat[span]

@@ -7,7 +7,9 @@ import pytest
 
 import distrib
 from distrib import CommunicationOptions
+from distrib.backends.member_copies import MemberCopies
 from distrib.cross_device_ops import HierarchicalCopyAllReduce
+from distrib.plan import Buffer, Member
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,3 +101,23 @@ def test_later_steps_never_overwrite_a_kept_result(keep):
         later = [strategy.experimental_local_results(strategy.run(step, args=(s,)))[0][7] for s in range(2, 6)]
     assert (np.asarray(kept) == 4).all()  # step 1's sum, whatever later steps wrote
     assert [float(x[0]) for x in later] == [8.0, 12.0, 16.0, 20.0]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.bool_, np.complex64])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_member_copies_are_the_packs_slices_in_their_shapes(dtype, strided):
+    shapes = [(3, 4), (), (0,), (5,), (2, 1, 3)]
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    offsets = np.cumsum([0] + sizes).tolist()
+    buffer = Buffer(np.dtype(dtype).name, tuple(Member(i, shape, offsets[i], sizes[i])
+                                                for i, shape in enumerate(shapes)), ((0, offsets[-1]),))
+    source = (np.arange(2 * offsets[-1]) % 7).astype(dtype)
+    flat = source[::2] if strided else source[:offsets[-1]]
+    flat.flags.writeable = False
+    copies = MemberCopies()
+    for _ in range(2):  # made, then refilled
+        per_device = copies.unpack(flat, buffer, 3, run_split=None, on_threads=False)
+        for members in per_device:
+            for member, shape, start, size in zip(members, shapes, offsets, sizes):
+                assert member.shape == shape and member.dtype == dtype and not member.flags.writeable
+                np.testing.assert_array_equal(member.reshape(-1), flat[start:start + size])
