@@ -102,9 +102,7 @@ class MpiBackend(CpuBackend):
             send = first
         else:
             np.copyto(total, first)
-        wire = total
-        if mpi_type is None:  # float16, bfloat16: summed as float32
-            wire, mpi_type = total.astype(np.float32), self.group.MPI.FLOAT
+        wire, (_, mpi_type) = self._buffer(total)  # float16, bfloat16: summed as float32
         in_place = self.group.MPI.IN_PLACE
         if whole:
             calls = [(in_place if send is None else [send, mpi_type], [wire, mpi_type], op)]
@@ -112,6 +110,13 @@ class MpiBackend(CpuBackend):
             calls = [(in_place if send is None else [send[a:b], mpi_type], [wire[a:b], mpi_type], op)
                      for a, b in bounds]
         return calls, total, None if wire is total else wire
+
+    def _summed(self, flats: Sequence[np.ndarray], bounds: Sequence[tuple[int, int]], what: str,
+                timeout: float | None) -> np.ndarray:
+        """`flats` summed over every replica of every process, into a new writable buffer."""
+        reduction = self._reduction(flats, bounds)
+        self._sum_across((reduction,), what, timeout)
+        return reduction[1]
 
     def _sum_across(self, reductions: Sequence[tuple], what: str, timeout: float | None) -> None:
         """Makes the MPI calls of `reductions` (from `_reduction`) once every process has reached them."""
@@ -155,9 +160,7 @@ class MpiBackend(CpuBackend):
                 f"over MPI. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices.")
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
-        reduction = self._reduction(flats, chunks)
-        self._sum_across((reduction,), "all_reduce", timeout)
-        total = reduction[1]
+        total = self._summed(flats, chunks, "all_reduce", timeout)
         if mean:
             np.true_divide(total, self.group.num_replicas, out=total)
         return shared_views(total, len(devices))
@@ -183,9 +186,7 @@ class MpiBackend(CpuBackend):
         n = self.group.num_replicas
         if flats[0].size % n:
             raise ValueError(f"reduce_scatter needs a length divisible by {n} replicas. Received: {flats[0].size}.")
-        reduction = self._reduction(flats, ((0, flats[0].size),))
-        self._sum_across((reduction,), "reduce_scatter", timeout)
-        total = reduction[1]
+        total = self._summed(flats, ((0, flats[0].size),), "reduce_scatter", timeout)
         part, first = total.size // n, self.group.first_replica
         return [self.copy(total[(first + i) * part:(first + i + 1) * part], d) for i, d in enumerate(devices)]
 
