@@ -1,4 +1,4 @@
-"""Where the host time goes on the CUDA path: cProfile of `distrib train` and of a batched all_reduce step (needs a GPU).
+"""Where the host time goes on the CUDA path: cProfile of `distrib train` and of a batched all_reduce (needs a GPU).
 
     python3 bench/gpu_profile.py [--out DIR] [--epochs 20] [--steps 200]
 
@@ -64,8 +64,9 @@ def profile_train(out: Path, epochs: int) -> None:
         profile = cProfile.Profile()
         profiled = run(epochs, profile)
         probe_synchronisations(lambda: run(1))
-    report(profile, out, "train", f"distrib train, 1 replica on GPU:0, {epochs} epochs: {plain.samples_per_second:,.0f} "
-                                  f"samples/s without the profiler, {profiled.samples_per_second:,.0f} with it")
+    report(profile, out, "train", f"distrib train, 1 replica on GPU:0, {epochs} epochs: "
+                                  f"{plain.samples_per_second:,.0f} samples/s without the profiler, "
+                                  f"{profiled.samples_per_second:,.0f} with it")
 
 
 def probe_synchronisations(train_once) -> None:

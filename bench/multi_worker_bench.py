@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         cells = [f"{row[name]['median_us']:>15,.1f} {row[name]['overhead']:>+9.1%} {row[name]['verdict']:>4}"
                  for name in COLUMNS[1:]]
-        print(f"{size_label(row['kilobytes']):>6} {row['calls']:>6} {row['raw']['median_us']:>9,.1f} " + " ".join(cells))
+        print(f"{size_label(row['kilobytes']):>6} {row['calls']:>6} {row['raw']['median_us']:>9,.1f} "
+              + " ".join(cells))
     checked = [row for row in rows if row["kilobytes"] >= TARGET_FROM_KB]
     met = {name: all(row[name]["verdict"] == "PASS" for row in checked) for name in COLUMNS[1:]}
     print(f"target: within {TARGET_OVERHEAD:.0%} of raw from {size_label(TARGET_FROM_KB)}: "

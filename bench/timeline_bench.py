@@ -5,7 +5,8 @@ python3 bench/timeline_bench.py --quick
 
 Three measurements, all in one process on the CPU emulator:
 1. One hook while no timeline records: a timed backend method against the same method unwrapped
-   (`method.__wrapped__`): packing one 4-element array, which is a view, and an empty `with timeline.span(...)` against an empty call;
+   (`method.__wrapped__`): packing one 4-element array, which is a view, and an empty `with timeline.span(...)`
+   against an empty call;
    the fastest of 15 loops of 20,000 calls each, since these are tens of nanoseconds.
 2. `strategy.run` per step for three workloads (an empty merge_call, one all_reduce of 1M float32, a batched
    all_reduce of 200 x 1,000 float32) with the timeline off, with the backend's hooks stripped (the methods

@@ -12,8 +12,8 @@ from distrib.input import (DistributedDataset, DistributedDatasetsFromFunction, 
                            ValueContext)
 from distrib.mirrored import MirroredStrategy
 from distrib.multi_worker import MultiWorkerMirroredStrategy
-from distrib.options import (AutoShardPolicy, CommunicationImplementation, CommunicationOptions, InputOptions, InputReplicationMode,
-                             ReduceOp, RunOptions)
+from distrib.options import (AutoShardPolicy, CommunicationImplementation, CommunicationOptions, InputOptions,
+                             InputReplicationMode, ReduceOp, RunOptions)
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.strategy import ParameterServerStrategy
 from distrib.replica_context import ReplicaContext

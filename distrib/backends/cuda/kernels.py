@@ -6,8 +6,8 @@
 - `<rule>_<dtype>` (optimizer.cu) applies an optimizer's update to every same-device tensor of one dtype in one
   launch: rule "sgd", "momentum", "nesterov" or "adam" over float16, float32 or float64 parameters.
 
-The sources live in the top-level kernels/ folder, ship inside the wheel as the package distrib.kernels, and compile with NVRTC on first use, once per device (CuPy
-caches the binaries on disk).
+The sources live in the top-level kernels/ folder, ship inside the wheel as the package distrib.kernels, and
+compile with NVRTC on first use, once per device (CuPy caches the binaries on disk).
 """
 
 from __future__ import annotations
