@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -161,19 +162,29 @@ def select_replicas(structure: Any, count: int, exact: bool = True) -> list[Any]
     return _select(structure, range(count), count, exact=exact)
 
 
-def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool = False) -> list[Any]:
+def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool = False,
+            path: tuple = ()) -> list[Any]:
+    """select_replicas' work; `path` is where `structure` sits in what the user passed (for error messages)."""
     if type(structure) in _PLAIN_DISTRIBUTED:  # one PerReplica or Mirrored: its components, no structure walk
         problem = _missing_components(structure, count, exact)
         if problem is not None:
-            raise ValueError(f"{problem} at path {format_path(())}.")
+            raise ValueError(f"{problem} at path {format_path(path)}.")
         return [structure._values[i] for i in replica_ids]
     if type(structure) in _LEAF_TYPES and not isinstance(structure, DistributedValues):  # the same everywhere
         return [structure] * len(replica_ids)
     if type(structure) is tuple and any(type(x) is not PerReplica for x in structure):
         # run()'s args: each argument on its own keeps a flat list of per-replica values on the fast path
-        return [tuple(args) for args in zip(*(_select(x, replica_ids, count, exact) for x in structure))] or \
+        return [tuple(args) for args in zip(*(_select(x, replica_ids, count, exact, path + (k,))
+                                                    for k, x in enumerate(structure)))] or \
             [()] * len(replica_ids)
     leaves, spec = flatten(structure)
+    if leaves and set(map(type, leaves)).issubset(_PLAIN_DISTRIBUTED):  # e.g. a list of gradients, in C loops
+        try:
+            picked = list(zip(*map(_components, leaves), strict=True))  # picked[i]: replica i's leaves
+        except ValueError:  # components differ in number: the general path below names the leaf
+            picked = []
+        if len(picked) == count:
+            return [unflatten(spec, list(picked[i])) for i in replica_ids]
     distributed = [k for k, leaf in enumerate(leaves) if type(leaf) in _PLAIN_DISTRIBUTED or
                    (isinstance(leaf, DistributedValues) and not is_distributed_variable(leaf))]
     if not distributed:
@@ -181,7 +192,7 @@ def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool 
     for k in distributed:
         problem = _missing_components(leaves[k], count, exact)
         if problem is not None:
-            raise ValueError(f"{problem} at path {format_path(spec.paths()[k])}.")
+            raise ValueError(f"{problem} at path {format_path(path + spec.paths()[k])}.")
     if len(distributed) == len(leaves):  # e.g. a list of gradients: every leaf is per-replica
         return [unflatten(spec, [leaf._values[i] for leaf in leaves]) for i in replica_ids]
     out = []
@@ -191,6 +202,9 @@ def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool 
             picked[k] = leaves[k]._values[replica_id]
         out.append(unflatten(spec, picked))
     return out
+
+
+_components = operator.attrgetter("_values")
 
 
 def _missing_components(value: DistributedValues, count: int, exact: bool) -> str | None:

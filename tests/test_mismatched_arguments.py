@@ -89,6 +89,21 @@ def test_a_per_replica_value_of_the_wrong_length_is_a_value_error(strategy):
         strategy.run(lambda x: x, args=(five,))
 
 
+def test_a_list_of_per_replica_values_with_one_of_the_wrong_length_names_its_path(strategy):
+    good = [distrib.PerReplica([np.float32(k)] * 4) for k in range(5)]
+    for wrong in (3, 5):
+        grads = good[:2] + [distrib.PerReplica([np.float32(1)] * wrong)] + good[2:]
+        with pytest.raises(ValueError, match=rf"A PerReplica needs one component per replica \(4\). Received: "
+                                             rf"{wrong} components at path \[0\]\[2\]"):
+            strategy.run(lambda g: g, args=(grads,))
+    three = good[:2] + [distrib.PerReplica([np.float32(1)] * 3)] + good[2:]
+    with pytest.raises(ValueError, match=r"A PerReplica needs one component per replica \(4\). Received: 3 "
+                                         r"components at path \[1\]\['w'\]\[2\]"):
+        strategy.run(lambda lr, g: g, args=(0.1, {"w": three}))
+    out = strategy.run(lambda g: [x * 2 for x in g], args=(good,))
+    assert [strategy.experimental_local_results(x) for x in out] == [(2.0 * k,) * 4 for k in range(5)]
+
+
 class StepFailed(Exception):
     """A user's exception."""
 
