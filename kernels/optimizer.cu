@@ -1,10 +1,11 @@
 // Optimizer updates: one launch applies SGD (plain, momentum, Nesterov) or Adam to every tensor of a group.
 //
 // The math is distrib/optimizers.py's `_update_device`, operation by operation, so results match the NumPy path
-// bit for bit: every operation is one IEEE operation rounded to nearest (the _rn intrinsics, which the compiler
-// never contracts into fused multiply-adds), in the math type: float for float16 and float32 parameters, double
-// for float64. Gradients and slots have the math type; a float16 parameter is widened to float, updated in
-// float and rounded back to float16 (to nearest, ties to even), as NumPy's mixed-type subtract does.
+// bit for bit: every operation is one IEEE operation rounded to nearest, subnormals kept (ieee.cuh's float
+// operations and the double _rn intrinsics, which the compiler never contracts into fused multiply-adds), in the
+// math type: float for float16 and float32 parameters, double for float64. Gradients and slots have the math
+// type; a float16 parameter is widened to float, updated in float and rounded back to float16 (to nearest, ties
+// to even), as NumPy's mixed-type subtract does.
 //
 // The table holds `count` parameter pointers, `count` gradient pointers, then the slots' pointers, `count` per
 // slot in the optimizer's slot order (momentum; or m, v), then `count + 1` prefix sums of the tensors' sizes:
@@ -15,6 +16,7 @@
 // checking the tensor it found last, as pack.cu does.
 
 #include "half.cuh"
+#include "ieee.cuh"
 
 // A float or double whose operators each round once, as NumPy's element-wise operations do.
 template <typename T>
@@ -25,11 +27,11 @@ struct Exact {
 typedef Exact<float> F;
 typedef Exact<double> D;
 
-__device__ __forceinline__ F operator+(F a, F b) { return {__fadd_rn(a.x, b.x)}; }
-__device__ __forceinline__ F operator-(F a, F b) { return {__fsub_rn(a.x, b.x)}; }
-__device__ __forceinline__ F operator*(F a, F b) { return {__fmul_rn(a.x, b.x)}; }
-__device__ __forceinline__ F operator/(F a, F b) { return {__fdiv_rn(a.x, b.x)}; }
-__device__ __forceinline__ F sqrt(F a) { return {__fsqrt_rn(a.x)}; }
+__device__ __forceinline__ F operator+(F a, F b) { return {add_rn(a.x, b.x)}; }
+__device__ __forceinline__ F operator-(F a, F b) { return {sub_rn(a.x, b.x)}; }
+__device__ __forceinline__ F operator*(F a, F b) { return {mul_rn(a.x, b.x)}; }
+__device__ __forceinline__ F operator/(F a, F b) { return {div_rn(a.x, b.x)}; }
+__device__ __forceinline__ F sqrt(F a) { return {sqrt_rn(a.x)}; }
 __device__ __forceinline__ D operator+(D a, D b) { return {__dadd_rn(a.x, b.x)}; }
 __device__ __forceinline__ D operator-(D a, D b) { return {__dsub_rn(a.x, b.x)}; }
 __device__ __forceinline__ D operator*(D a, D b) { return {__dmul_rn(a.x, b.x)}; }

@@ -12,6 +12,7 @@
 // The table holds n_src source pointers, then n_out output pointers. One thread per element, grid-stride.
 
 #include "half.cuh"
+#include "ieee.cuh"
 
 __device__ __forceinline__ float bfloat16_to_float(unsigned short b) {
     return __uint_as_float((unsigned int)b << 16);
@@ -27,28 +28,30 @@ __device__ __forceinline__ unsigned short float_to_bfloat16(float f) {
 }
 
 template <typename T>
-struct Native {  // float and double: the hardware's IEEE add and divide
+struct Native {  // float and double: the hardware's IEEE add and divide (ieee.cuh: subnormals kept)
     typedef T S;
     static const bool kFloat = true;
-    static __device__ __forceinline__ S add(S a, S b) { return a + b; }
-    static __device__ __forceinline__ S divide(S a, int n) { return a / (T)n; }
+    static __device__ __forceinline__ S add(S a, S b) { return add_rn(a, b); }
+    static __device__ __forceinline__ S divide(S a, int n) { return div_rn(a, (T)n); }
 };
 
 struct Half {
     typedef unsigned short S;
     static const bool kFloat = true;
-    static __device__ __forceinline__ S add(S a, S b) { return float_to_half(half_to_float(a) + half_to_float(b)); }
-    static __device__ __forceinline__ S divide(S a, int n) { return float_to_half(half_to_float(a) / (float)n); }
+    static __device__ __forceinline__ S add(S a, S b) {
+        return float_to_half(add_rn(half_to_float(a), half_to_float(b)));
+    }
+    static __device__ __forceinline__ S divide(S a, int n) { return float_to_half(div_rn(half_to_float(a), (float)n)); }
 };
 
 struct BFloat16 {
     typedef unsigned short S;
     static const bool kFloat = true;
     static __device__ __forceinline__ S add(S a, S b) {
-        return float_to_bfloat16(bfloat16_to_float(a) + bfloat16_to_float(b));
+        return float_to_bfloat16(add_rn(bfloat16_to_float(a), bfloat16_to_float(b)));
     }
     static __device__ __forceinline__ S divide(S a, int n) {
-        return float_to_bfloat16(bfloat16_to_float(a) / (float)n);
+        return float_to_bfloat16(div_rn(bfloat16_to_float(a), (float)n));
     }
 };
 
@@ -57,25 +60,20 @@ struct alignas(2 * sizeof(T)) Pair {
     T re, im;
 };
 
-__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
-__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
-
 template <typename T>
 struct Complex {  // complex64 / complex128
     typedef Pair<T> S;
     static const bool kFloat = true;
-    static __device__ __forceinline__ S add(S a, S b) { return S{a.re + b.re, a.im + b.im}; }
+    static __device__ __forceinline__ S add(S a, S b) { return S{add_rn(a.re, b.re), add_rn(a.im, b.im)}; }
     // NumPy divides by a real n through complex division by (n, 0), Smith's method: ratio = 0 / n = 0 and
     // scale = 1 / n rounded once, so each part is (part +- other * ratio) * scale, not part / n. The _rn
-    // intrinsics keep the compiler from fusing these into FMAs, whose single rounding would differ.
+    // operations (ieee.cuh) keep the compiler from fusing these into FMAs, whose single rounding would differ.
     static __device__ __forceinline__ S divide(S a, int n) {
         const T d = (T)n;
-        const T ratio = (T)0 / d;
-        const T scale = (T)1 / add_rn(d, mul_rn((T)0, ratio));
+        const T ratio = div_rn((T)0, d);
+        const T scale = div_rn((T)1, add_rn(d, mul_rn((T)0, ratio)));
         return S{mul_rn(add_rn(a.re, mul_rn(a.im, ratio)), scale),
-                 mul_rn(add_rn(a.im, -mul_rn(a.re, ratio)), scale)};
+                 mul_rn(sub_rn(a.im, mul_rn(a.re, ratio)), scale)};
     }
 };
 

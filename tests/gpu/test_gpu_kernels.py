@@ -89,6 +89,20 @@ def test_reduce_sums_in_order_like_numpy(dtype, n_src, n_out, size):
         np.testing.assert_array_equal(host(out).view(np.uint8), expected.view(np.uint8))  # bit for bit
 
 
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "complex64"])
+def test_reduce_keeps_subnormals_as_numpy_does(name):
+    # CuPy compiles kernels with -ftz=true; an operation that obeyed it would flush these to zero
+    tiny = np.array([1e-40, -2.5e-39, 3e-40, 7e-39, 1e-38], np.float32)  # all subnormal
+    dtype = DTYPES[[d.name for d in DTYPES].index(name)]
+    inputs = [(tiny + 1j * tiny[::-1] if dtype.kind == "c" else tiny).astype(dtype), tiny[::-1].astype(dtype)]
+    expected = in_order_sum(inputs, 3)
+    assert np.all(expected != 0)
+    out = cupy.empty(tiny.size, dtype)
+    wire = KERNEL_WIRES[name]
+    KERNELS.reduce(wire.dtype, tiny.size * wire.factor, [cupy.asarray(a) for a in inputs], [out], divisor=3)
+    np.testing.assert_array_equal(host(out).view(np.uint8), expected.view(np.uint8))  # bit for bit
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.complex64])
 def test_reduce_scales_in_place(dtype):
     rng = np.random.default_rng(1)

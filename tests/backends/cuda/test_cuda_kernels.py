@@ -21,6 +21,8 @@ cuda = pytest.importorskip("distrib.backends.cuda.backend")
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 KERNEL_FILES = sorted(cuda_kernels.SOURCES.glob("*.cu"))
+# cupy.cuda.compiler appends these to every RawModule's options, after the loader's, so they win
+CUPY_APPENDS = ("-ftz=true",)
 
 
 # -- kernels ----------------------------------------------------------------------------------------------------------
@@ -38,12 +40,12 @@ def nvrtc_or_skip():
 
 @functools.cache
 def compile_to_ptx(path: pathlib.Path, arch: str) -> str:
-    """PTX for `arch` from NVRTC alone: no GPU, no driver."""
+    """PTX for `arch` from NVRTC alone (no GPU, no driver), with the options CuPy compiles the kernels with."""
     nvrtc = nvrtc_or_skip()
     program = nvrtc.createProgram(cuda_kernels.source(path.name), path.name, (), ())
     try:
         try:
-            nvrtc.compileProgram(program, (f"-arch={arch}", *cuda_kernels.OPTIONS))
+            nvrtc.compileProgram(program, (f"-arch={arch}", *cuda_kernels.OPTIONS, *CUPY_APPENDS))
         except nvrtc.NVRTCError as exc:
             pytest.fail(f"{path.name} does not compile for {arch}: {exc}\n{nvrtc.getProgramLog(program)}")
         return nvrtc.getPTX(program).decode()
@@ -114,6 +116,15 @@ def test_the_optimizer_kernels_round_every_operation_as_numpy_does(arch):
     assert {modifiers for _, modifiers in ops} == {"rn."}  # IEEE round to nearest, subnormals kept
 
 
+@pytest.mark.parametrize("arch", ["compute_75", "compute_90"])
+@pytest.mark.parametrize("path", KERNEL_FILES, ids=[p.name for p in KERNEL_FILES])
+def test_no_kernel_flushes_subnormals_to_zero_as_cupy_compiles_it(path, arch):
+    # NumPy keeps subnormals: 1e-40 + 1e-40 is 2e-40 on the emulator, so a .ftz operation would make it 0 here
+    ptx = compile_to_ptx(path, arch)
+    assert ".ftz" not in ptx
+    assert not re.findall(r"\b(fma|mad)\.\w*\.?f(32|64)\b", ptx)  # nothing fused either
+
+
 def test_the_kernels_ship_in_the_wheel(tmp_path):
     source = tmp_path / "src"
     source.mkdir()
@@ -127,7 +138,8 @@ def test_the_kernels_ship_in_the_wheel(tmp_path):
     assert result.returncode == 0, result.stderr
     (wheel,) = (tmp_path / "dist").glob("distrib-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"distrib/kernels/{p.name}" for p in KERNEL_FILES} | {"distrib/kernels/half.cuh", "distrib/kernels/segments.cuh"} <= names
+    headers = {f"distrib/kernels/{name}" for name in ("half.cuh", "ieee.cuh", "segments.cuh")}
+    assert {f"distrib/kernels/{p.name}" for p in KERNEL_FILES} | headers <= names
     assert not any(name.startswith("kernels/") for name in names)  # inside the package, not a top-level package
 
 
