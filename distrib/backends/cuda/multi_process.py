@@ -22,11 +22,12 @@ from cupy.cuda import nccl
 
 from distrib.backends.cuda import dtypes as cuda_dtypes
 from distrib.backends.cuda import nccl as nccl_comms
-from distrib.backends.cuda.backend import CudaBackend
+from distrib.backends.cuda import errors as cuda_errors
+from distrib.backends.cuda.backend import PROTOCOL_METHODS, CudaBackend
 from distrib.backends.process_group import ProcessGroup
 from distrib.mpi_env import mpi_environment
 from distrib.errors import CollectiveError, DeadlineExceededError, WorkerFailedError
-from distrib.plan import is_inexact
+from distrib.plan import NATIVE, is_inexact
 
 
 def local_gpus(count: int, local_rank: int, local_size: int) -> list[int]:
@@ -126,7 +127,11 @@ class MultiProcessCudaBackend(CudaBackend):
         return out
 
     def execute(self, plan, per_device, devices, *, timeout=None):
-        results = super().execute(dataclasses.replace(plan, mean=False), per_device, devices, timeout=timeout)
+        # every method is one job-wide NCCL all-reduce, as on the MPI emulator: pack by pack, this process's
+        # devices would be the whole group (a hierarchical sum misses the other ranks; a ring pads each chunk to
+        # the local device count, which the job-wide reduce_scatter refuses unless it divides by every replica)
+        whole_job = dataclasses.replace(plan, mean=False, method=NATIVE, roots=())
+        results = super().execute(whole_job, per_device, devices, timeout=timeout)
         return [self._divide(values) for values in results] if plan.mean else results
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
@@ -164,3 +169,9 @@ class MultiProcessCudaBackend(CudaBackend):
 
     def __repr__(self) -> str:
         return f"<MultiProcessCudaBackend rank={self.group.rank} of {self.group.size}, GPUs={self._local}>"
+
+
+# Its own methods leave with distrib's errors too, as CudaBackend's do (the integer mean's division, the copies).
+for _name in PROTOCOL_METHODS:
+    if _name in vars(MultiProcessCudaBackend):
+        setattr(MultiProcessCudaBackend, _name, cuda_errors.translating(vars(MultiProcessCudaBackend)[_name]))

@@ -103,3 +103,14 @@ def test_every_method_of_the_backend_protocol_translates_foreign_errors():
     assert public == set(cuda.PROTOCOL_METHODS)
     for name in public:
         assert hasattr(getattr(cuda.CudaBackend, name), "__wrapped__"), f"CudaBackend.{name} is not translated"
+
+
+def test_the_multi_process_backends_own_methods_translate_foreign_errors_too():
+    from distrib.backends.cuda import backend as cuda
+    from distrib.backends.cuda.multi_process import MultiProcessCudaBackend
+
+    translation = cuda_errors.translating(lambda: None).__code__
+    for cls in (cuda.CudaBackend, MultiProcessCudaBackend):
+        for name in cuda.PROTOCOL_METHODS:
+            outermost = getattr(cls, name)  # wrappers nest (timeline, translation): the translation must be outside
+            assert outermost.__code__ is translation, f"{cls.__name__}.{name} is not translated"

@@ -1,4 +1,4 @@
-"""The CUDA backend across MPI processes, without a GPU: a collective past its deadline names the late ranks."""
+"""The CUDA backend across MPI processes, without a GPU: late ranks named past a deadline, one job-wide all-reduce per plan."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from distrib.plan import METHODS, NATIVE, all_reduce_plan, plan_concat_split
 
 pytest.importorskip("cupy", reason="CuPy comes with distrib[test]")
 MPIRUN = shutil.which("mpirun")
@@ -33,3 +36,19 @@ def test_a_collective_a_rank_never_launched_names_it_and_one_every_rank_launched
     assert "Every rank launched it (collective #1" in launched["message"]
     assert report["aborted"] == ["all_reduce", "broadcast"]  # both collectives' communicators were aborted
     assert report["later"].startswith("WorkerFailedError: barrier cannot run: this MPI job already failed.")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_plan_method_runs_as_one_all_reduce_over_the_whole_job(monkeypatch, method):
+    # pack by pack, a ring or hierarchical plan would take this process's GPUs for the whole group
+    from distrib.backends.cuda.backend import CudaBackend
+    from distrib.backends.cuda.multi_process import MultiProcessCudaBackend
+
+    handed = []
+    monkeypatch.setattr(CudaBackend, "execute", lambda self, plan, per_device, devices, *, timeout=None:
+                        handed.append(plan) or [[None] * 2 for _ in devices])
+    backend = object.__new__(MultiProcessCudaBackend)  # no GPU here: only the plan it hands on is looked at
+    plan = all_reduce_plan(plan_concat_split([((6,), np.dtype("float32"))] * 2, 1), method, False, 2)
+    backend.execute(plan, [[None, None]] * 2, ["GPU:0", "GPU:1"])
+    (whole,) = handed
+    assert whole.method == NATIVE and whole.packing is plan.packing and not whole.mean
