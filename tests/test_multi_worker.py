@@ -30,8 +30,9 @@ BY_DESIGN = {"datasets_from_function": "each worker runs its own input pipeline 
 
 
 def mpirun(program: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
+    # the emulator's replicas on every machine: on one with a GPU, detection would pick NCCL
+    env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
     return subprocess.run([MPIRUN, "-np", "2", sys.executable, str(HERE / program), *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -26,8 +26,9 @@ NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "b
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
-    env = dict(os.environ, DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1")
+    # the emulator's devices on every machine: on one with a GPU, detection would pick NCCL
+    env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
     done = subprocess.run([MPIRUN, "-np", "2", sys.executable, str(JOB), str(folder)], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

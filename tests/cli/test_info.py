@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+from distrib.backends import detect
 from distrib.cli import topology
 
 NO_NVML = "import sys; sys.modules['pynvml'] = None; from distrib.cli import main; sys.exit(main(['info']))"
@@ -20,8 +21,11 @@ def info(*flags, program=None):
 
 def test_info_says_there_is_no_gpu_instead_of_failing():
     out = info()
-    assert "backend: cpu (CUDA unavailable:" in out
-    assert "GPUs: none (NVML" in out
+    if detect() == "cuda":  # a GPU machine: the same command names its backend and lists the GPUs
+        assert "backend: cuda (" in out and "\nGPUs:\n  GPU0: " in out
+    else:
+        assert "backend: cpu (CUDA unavailable:" in out
+        assert "GPUs: none (NVML" in out
     assert "versions:" in out and "numpy" in out
 
 
@@ -31,7 +35,10 @@ def test_info_without_nvml_names_the_package_to_install():
 
 def test_info_as_json():
     facts = json.loads(info("--json"))
-    assert facts["backend"] == "cpu" and facts["gpus"] == [] and facts["gpu_problem"]
+    if detect() == "cuda":
+        assert facts["backend"] == "cuda" and facts["gpus"] and facts["gpu_problem"] is None
+    else:
+        assert facts["backend"] == "cpu" and facts["gpus"] == [] and facts["gpu_problem"]
     assert facts["versions"]["distrib"] and set(facts["missing"]) <= {"cupy", "pynvml", "ml_dtypes", "mpi4py", "ray",
                                                                       "rich", "matplotlib"}
     assert all(entry["extra"].startswith("distrib[") for entry in facts["missing"].values())
