@@ -17,7 +17,7 @@
 # On a machine without internet, first run bench/gpu_wheels.sh where PyPI is reachable and bring wheels/ along:
 # the install stage installs wheels/*.whl without an index, then this checkout in editable mode.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 
