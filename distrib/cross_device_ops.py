@@ -12,6 +12,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from distrib.backends.base import Backend
+from distrib.backends.packed import member_views
+from distrib.batched_gather import batch_all_gather
 from distrib import plan as planner
 from distrib.devices import HOST
 from distrib.options import CommunicationImplementation, CommunicationOptions, ReduceOp
@@ -33,44 +35,46 @@ class CrossDeviceOps:
             return [backend.to_host(total)]
         return [total] + [backend.copy(total, d) for d in destinations[1:]]
 
+    def batch_reduce_to_host(self, backend: Backend, op: ReduceOp, per_replica: Sequence[Sequence[Any]],
+                             devices: Sequence[str]) -> list[np.ndarray]:
+        """`reduce_to(..., ('host',))` of every value `per_replica[r][v]` at once, as host NumPy arrays.
+
+        Each dtype's values are packed into one buffer per device and the buffers summed on the first device in
+        device order, as `reduce_to` sums one value: element for element the same additions, so the same bits.
+        """
+        packing = planner.plan_concat_split([(value.shape, value.dtype) for value in per_replica[0]], 1)
+        results: list[Any] = [None] * len(per_replica[0])
+        for buffer in packing.buffers:
+            flats = [backend.pack([values[m.index] for m in buffer.members], buffer, device)
+                     for values, device in zip(per_replica, devices)]
+            total = backend.to_host(_reduce_on(backend, op, flats, devices[0]))
+            views = member_views(total, buffer)
+            for member, view in zip(buffer.members, views):  # copies: a kept result keeps only itself alive
+                results[member.index] = view if len(views) == 1 else view.copy()
+        return results
+
     def broadcast(self, backend: Backend, array: Any, destinations: Sequence[str]) -> list[Any]:
         return backend.broadcast(array, list(destinations))
 
     def all_gather(self, backend: Backend, components: Sequence[Any], devices: Sequence[str],
                    axis: int) -> list[Any]:
         """Concatenation of the components along `axis` on every device; lengths along `axis` may differ."""
-        xp = backend.xp
-        fronts = [xp.moveaxis(c, axis, 0) for c in components]
-        lengths = self._gathered_lengths(backend, [f.shape[0] for f in fronts], devices)
-        longest = max(lengths)
-        rest = fronts[0].shape[1:]
-        ragged = any(n != longest for n in lengths)
-        if ragged:  # pad to the longest, gather, then strip the padding
-            padded = []
-            for front, device in zip(fronts, devices):
-                pad = backend.empty((longest,) + rest, front.dtype, device)
-                with backend.device_scope(device):
-                    pad[:front.shape[0]] = front
-                    pad[front.shape[0]:] = 0
-                padded.append(pad)
-            fronts = padded
-        flats = []
-        for front, device in zip(fronts, devices):
-            with backend.device_scope(device):
-                flats.append(xp.ascontiguousarray(front).reshape(-1))
-        results = []
-        for gathered, device in zip(backend.all_gather(flats, list(devices)), devices):
-            blocks = gathered.reshape((len(lengths), longest) + rest)
-            if ragged:
-                with backend.device_scope(device):
-                    joined = xp.concatenate([blocks[r, :n] for r, n in enumerate(lengths)], axis=0)
-            else:
-                joined = blocks.reshape((len(lengths) * longest,) + rest)
-            results.append(xp.moveaxis(joined, 0, axis))
-        return results
+        return [values[0] for values in self.batch_all_gather(backend, [[c] for c in components], devices, axis)]
 
-    def _gathered_lengths(self, backend: Backend, lengths: list[int], devices: Sequence[str]) -> list[int]:
-        """The lengths along the gather axis of every replica taking part (here: the local ones)."""
+    def batch_all_gather(self, backend: Backend, per_replica: Sequence[Sequence[Any]], devices: Sequence[str],
+                         axis: int, options: CommunicationOptions | None = None) -> list[list[Any]]:
+        """`per_replica[r][v]` is value v on replica r; each value concatenated along `axis` over the replicas, on
+        every device, in the same layout. One backend all_gather per dtype (see distrib/batched_gather.py)."""
+        if not per_replica[0]:
+            return [[] for _ in devices]
+        return batch_all_gather(backend, per_replica, devices, axis,
+                                lambda lengths: self._gathered_lengths(backend, lengths, devices),
+                                None if options is None else options.timeout)
+
+    def _gathered_lengths(self, backend: Backend, lengths: list[list[int]], devices: Sequence[str]
+                          ) -> list[list[int]]:
+        """`lengths[r][v]` (value v's length along the gather axis on local replica r) of every replica taking
+        part (here: the local ones)."""
         return lengths
 
 
@@ -220,9 +224,16 @@ class CollectiveAllReduce(NcclAllReduce):
             return [backend.to_host(total)]
         return [backend.copy(total, d) for d in destinations]
 
+    def batch_reduce_to_host(self, backend, op, per_replica, devices):
+        plan = self.all_reduce_plan([(value.shape, value.dtype) for value in per_replica[0]], op, len(devices),
+                                    CommunicationOptions())
+        return [backend.to_host(total) for total in backend.execute(plan, per_replica, list(devices))[0]]
+
     def _gathered_lengths(self, backend, lengths, devices):
-        parts = [backend.to_device(np.array([n], np.int64), d) for n, d in zip(lengths, devices)]
-        return [int(n) for n in backend.to_host(backend.all_gather(parts, list(devices))[0])]
+        # every value's length in one exchange: an int64 vector per replica
+        parts = [backend.to_device(np.array(mine, np.int64), d) for mine, d in zip(lengths, devices)]
+        gathered = backend.to_host(backend.all_gather(parts, list(devices))[0])
+        return gathered.reshape(-1, len(lengths[0])).tolist()
 
 
 def default_cross_device_ops(backend: Backend) -> CrossDeviceOps:

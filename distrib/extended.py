@@ -14,7 +14,8 @@ import numpy as np
 from distrib import context
 from distrib.backends import Backend
 from distrib.cross_device_ops import CrossDeviceOps
-from distrib.devices import HOST, canonical_name
+from distrib.destinations import resolve_destinations
+from distrib.devices import HOST
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.input import InputWorkers
 from distrib.interrupts import deferred_interrupts
@@ -85,10 +86,6 @@ class StrategyExtended(abc.ABC):
     def _barrier(self, what: str) -> None:
         """Waits until every process of the job reaches this point; one process: nothing to wait for."""
 
-    def _count_everywhere(self, count: int) -> int:
-        """`count` summed over every process of the job (one process: itself)."""
-        return count
-
     def _first_replica_value(self, value: Any) -> Any:
         """Replica 0's `value` (given by each process for its first local replica), as every process sees it."""
         return value
@@ -107,35 +104,7 @@ class StrategyExtended(abc.ABC):
     # -- destinations -----------------------------------------------------------------------------------
 
     def _destinations(self, destinations: Any) -> tuple[str, ...]:
-        if type(destinations) is PerReplica and len(destinations._values) == len(self._devices):
-            return self._devices  # the usual destinations: the value itself (one check per value of a batch)
-        if destinations is None:
-            raise ValueError("destinations must be a device name, an array, a distributed value or a distributed "
-                             "variable. Received: None.")
-        if isinstance(destinations, (list, tuple)):
-            raise ValueError(f"destinations can not be a list or tuple; pass a device name or a distributed value. "
-                             f"Received: {destinations!r}.")
-        if isinstance(destinations, str):
-            if destinations == HOST:
-                return (HOST,)
-            name = canonical_name(destinations)
-            if name in self._devices:
-                return (name,)
-            if name == "CPU:0":  # the host CPU, when it is not one of the replicas' devices
-                return (HOST,)
-            raise ValueError(f"Unknown destination {destinations!r}: expected one of the strategy's devices "
-                             f"{self._devices}, 'CPU:0' or 'host' for the host CPU.")
-        if isinstance(destinations, DistributedVariable):
-            return destinations.devices
-        if isinstance(destinations, DistributedValues):
-            if len(destinations.values) == len(self._devices):
-                return self._devices
-            raise ValueError(f"destinations has {len(destinations.values)} components but the strategy has "
-                             f"{len(self._devices)} replicas.")
-        if hasattr(destinations, "__dlpack_device__"):
-            return self._destinations(_array_device(destinations))  # an array: its device, as in TensorFlow
-        raise TypeError(f"destinations must be a device name, an array, a distributed value or a distributed "
-                        f"variable. Received: {type(destinations).__name__}.")
+        return resolve_destinations(destinations, self._devices)
 
     # -- reductions -------------------------------------------------------------------------------------
 
@@ -185,6 +154,7 @@ class StrategyExtended(abc.ABC):
         backend, devices = self._backend, self._devices
         results: list[Any] = [None] * len(pairs)
         all_reduce_ids, all_reduce_values = [], []
+        host_ids, host_values = [], []  # reduced onto the host: one batched reduction too
         host_arrays = backend.xp is np  # emulated devices: an array is on every device already
         for k, (value, destinations) in enumerate(pairs):
             if host_arrays and type(value) is PerReplica and destinations == devices and \
@@ -194,7 +164,7 @@ class StrategyExtended(abc.ABC):
                 all_reduce_ids.append(k)
                 all_reduce_values.append(arrays)
                 continue
-            components = local_components(value)
+            components = self._local_components(value)
             mirrored = isinstance(value, (Mirrored, MirroredVariable))  # TensorFlow's is_mirrored
             if mirrored and op is ReduceOp.MEAN:
                 results[k] = value
@@ -212,6 +182,9 @@ class StrategyExtended(abc.ABC):
                 if destinations == devices:
                     all_reduce_ids.append(k)
                     all_reduce_values.append(arrays)
+                elif destinations == (HOST,):
+                    host_ids.append(k)
+                    host_values.append(arrays)
                 else:
                     results[k] = Mirrored(self._cross_device_ops.reduce_to(backend, op, arrays, devices,
                                                                            destinations))
@@ -220,7 +193,16 @@ class StrategyExtended(abc.ABC):
             reduced = self._cross_device_ops.batch_all_reduce(backend, op, per_replica, devices, options)
             for k, arrays in zip(all_reduce_ids, zip(*reduced)):
                 results[k] = Mirrored(arrays)
+        if host_ids:
+            per_replica = [list(values) for values in zip(*host_values)]
+            for k, array in zip(host_ids, self._cross_device_ops.batch_reduce_to_host(backend, op, per_replica,
+                                                                                        devices)):
+                results[k] = Mirrored([array])
         return results
+
+    def _local_components(self, value: Any) -> tuple | None:
+        """This process's per-replica components of a value to reduce; None for a value that is not distributed."""
+        return local_components(value)
 
     def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: tuple[str, ...]) -> Any:
         if is_zero_scalar(value) or op is ReduceOp.MEAN:
@@ -329,26 +311,39 @@ class StrategyExtended(abc.ABC):
 
     # -- host and device results, for Strategy.reduce and Strategy.gather ----------------------------------
 
-    def _reduce_to_host(self, op: ReduceOp, value: Any, axis) -> np.ndarray:
-        """`value` reduced across replicas (and first along `axis` within each) to one host NumPy array."""
+    def _reduce_to_host(self, op: ReduceOp, leaves: Sequence[Any], axis) -> list[np.ndarray]:
+        """Each leaf reduced across replicas (and first along `axis` within each) to one host NumPy array; the
+        per-replica leaves travel in one batched reduction (one buffer per dtype)."""
         if axis is None:
-            result = self._reduce_to(op, value, (HOST,), None)
-            return self._backend.to_host(result.values[0] if isinstance(result, DistributedValues) else result)
+            results = self._batch_reduce_to(op, [(leaf, (HOST,)) for leaf in leaves], None)
+            return [self._backend.to_host(r.values[0] if isinstance(r, DistributedValues) else r) for r in results]
         backend, devices = self._backend, self._devices
-        components = local_components(value)
-        if components is None:  # TensorFlow runs the per-replica reduction on every replica
-            components = (value,) * len(devices)
-        arrays = [backend.to_device(c, d) for c, d in zip(components, devices)]
-        axes = normalize_axes(axis, arrays[0].ndim)
-        sums = []
-        for array, device in zip(arrays, devices):
-            with backend.device_scope(device):  # each replica's partial sum on its own device and stream
-                sums.append(backend.xp.sum(array, axis=axes, dtype=array.dtype if array.dtype.kind != "b" else None))
-        total = backend.to_host(self._cross_device_ops.reduce_to(backend, ReduceOp.SUM, sums, devices, (HOST,))[0])
+        sums, counts = [], []  # per leaf: each replica's partial sum; the elements it summed, per replica
+        for k, leaf in enumerate(leaves):
+            components = local_components(leaf)
+            if components is None:  # TensorFlow runs the per-replica reduction on every replica
+                components = (leaf,) * len(devices)
+            arrays = [backend.to_device(c, d) for c, d in zip(components, devices)]
+            axes = normalize_axes(axis, arrays[0].ndim)
+            partial = []
+            for array, device in zip(arrays, devices):
+                with backend.device_scope(device):  # each replica's partial sum on its own device and stream
+                    partial.append(backend.xp.sum(array, axis=axes,
+                                                  dtype=array.dtype if array.dtype.kind != "b" else None))
+            _check_reduce_inputs(partial, k)
+            sums.append(partial)
+            counts.append([math.prod(a.shape[i] for i in axes) for a in arrays])
+        if not sums:
+            return []
+        if op is ReduceOp.MEAN:  # MEAN divides by the global count: it travels with the sums, as one more value
+            sums.append([backend.to_device(np.array(c, np.int64), d) for c, d in zip(zip(*counts), devices)])
+        per_replica = [list(values) for values in zip(*sums)]
+        totals = self._cross_device_ops.batch_reduce_to_host(backend, ReduceOp.SUM, per_replica, devices)
         if op is ReduceOp.SUM:
-            return total
-        count = self._count_everywhere(sum(math.prod(a.shape[i] for i in axes) for a in arrays))
-        return np.asarray(total / np.asarray(count, dtype=total.dtype))  # 0-d division gives a NumPy scalar
+            return totals
+        global_counts = totals.pop()
+        # 0-d division gives a NumPy scalar
+        return [np.asarray(total / np.asarray(count, dtype=total.dtype)) for total, count in zip(totals, global_counts)]
 
     # -- the ReplicaHost interface (distrib/replica_context.py) ------------------------------------------
 
@@ -364,9 +359,7 @@ class StrategyExtended(abc.ABC):
 
     def _batch_all_gather(self, per_replica: Sequence[Sequence[Any]], axis: int,
                           options: CommunicationOptions) -> list[list[Any]]:
-        gathered = [self._cross_device_ops.all_gather(self._backend, list(column), self._devices, axis)
-                    for column in zip(*per_replica)]
-        return [list(values) for values in zip(*gathered)]
+        return self._cross_device_ops.batch_all_gather(self._backend, per_replica, self._devices, axis, options)
 
     @abc.abstractmethod
     def _rendezvous(self, replica_id: int, kind: str, merge: Callable[[list], list], payload: Any,
@@ -395,11 +388,3 @@ def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
 
 _REDUCIBLE = {np.dtype(name) for name in ("float16", "float32", "float64", "complex64", "complex128", "int8",
                                            "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}
-
-_DLPACK_CUDA = 2  # DLPack's kDLCUDA; kDLCPU (1) and pinned host memory (3) are the host CPU
-
-
-def _array_device(array: Any) -> str:
-    """The device name of an array, from its DLPack device: 'GPU:k' for CUDA memory, else 'CPU:0'."""
-    kind, index = array.__dlpack_device__()
-    return f"GPU:{index}" if int(kind) == _DLPACK_CUDA else "CPU:0"

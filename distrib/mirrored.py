@@ -271,8 +271,8 @@ class MirroredExtended(StrategyExtended):
     def _batch_reduce_to(self, op, pairs, options):
         return self._on_idle_threads(super()._batch_reduce_to, op, pairs, options)
 
-    def _reduce_to_host(self, op, value, axis):
-        return self._on_idle_threads(super()._reduce_to_host, op, value, axis)
+    def _reduce_to_host(self, op, leaves, axis):
+        return self._on_idle_threads(super()._reduce_to_host, op, leaves, axis)
 
     def _on_idle_threads(self, reduction: Any, *args: Any) -> Any:
         """`reduction(*args)` with the replica threads lent to it, so that a reduction called outside a run splits

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
 from distrib.backends import get_multi_process_backend
 from distrib.cluster_resolver import ClusterResolver, MPIClusterResolver
 from distrib.cross_device_ops import CollectiveAllReduce
 from distrib.input.contexts import InputWorkers
 from distrib.mirrored import MirroredExtended, checked_communication_options
-from distrib.options import CommunicationOptions, ReduceOp
+from distrib.options import CommunicationOptions
+from distrib.replica_context import check_gather_shapes
 from distrib.strategy import Strategy
-from distrib.values import Mirrored, is_zero_scalar, local_components, map_structure
+from distrib.values import flatten, is_zero_scalar, local_components, unflatten
 
 
 class MultiWorkerExtended(MirroredExtended):
@@ -39,11 +39,6 @@ class MultiWorkerExtended(MirroredExtended):
     def _barrier(self, what: str) -> None:
         self._group.barrier(what, self._options.timeout)
 
-    def _count_everywhere(self, count: int) -> int:
-        parts = [np.int64(count)] + [np.int64(0)] * (len(self._devices) - 1)
-        total = self._cross_device_ops.reduce_to(self._backend, ReduceOp.SUM, parts, self._devices, ("host",))[0]
-        return int(total)
-
     def _create_variable(self, initial_value: Any, *args: Any, **kwargs: Any) -> Any:
         """As MirroredStrategy's, every process starting from the chief's initial value (TensorFlow broadcasts it
         too, so that workers seeded differently still train one model)."""
@@ -51,13 +46,13 @@ class MultiWorkerExtended(MirroredExtended):
             initial_value = initial_value()
         return super()._create_variable(self._first_replica_value(initial_value), *args, **kwargs)
 
-    def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: tuple[str, ...]) -> Any:
+    def _local_components(self, value: Any) -> tuple | None:
         # With one replica per process, `run` returns plain values: they are this process's replica's, and are
-        # reduced across the processes, as TensorFlow does with several workers.
-        if len(self._devices) > 1 or is_zero_scalar(value):
-            return super()._reduce_non_distributed(op, value, destinations)
-        array = self._backend.to_device(value, self._devices[0])
-        return Mirrored(self._cross_device_ops.reduce_to(self._backend, op, [array], self._devices, destinations))
+        # reduced across the processes (batched with the rest), as TensorFlow does with several workers.
+        components = local_components(value)
+        if components is None and len(self._devices) == 1 and not is_zero_scalar(value):
+            return (value,)
+        return components
 
     def _first_replica_value(self, value: Any) -> Any:
         array = self._backend.to_device(value, self._devices[0])
@@ -123,15 +118,18 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._extended._require_cross_replica("Strategy.gather", hint="inside a replica function use "
                                               "distrib.get_replica_context().all_gather(value, axis)")
         extended = self._extended
-
-        def gather_leaf(leaf):
-            components = [extended.backend.to_device(c, d) for c, d in
-                          zip(local_components(leaf) or (leaf,) * len(extended.worker_devices),
-                              extended.worker_devices)]
-            (gathered,) = extended._batch_all_gather([[c] for c in components], axis, extended._options)[0]
-            return extended.backend.to_host(gathered)
-
-        return map_structure(gather_leaf, value)
+        devices = extended.worker_devices
+        leaves, spec = flatten(value)
+        per_leaf = []
+        for leaf, path in zip(leaves, spec.paths()):
+            arrays = [extended.backend.to_device(c, d) for c, d in zip(local_components(leaf) or (leaf,) * len(devices),
+                                                                      devices)]
+            check_gather_shapes("Strategy.gather", [a.shape for a in arrays], [a.dtype for a in arrays], axis, path)
+            per_leaf.append(arrays)
+        if not per_leaf:
+            return unflatten(spec, [])
+        gathered = extended._batch_all_gather([list(values) for values in zip(*per_leaf)], axis, extended._options)
+        return unflatten(spec, [extended.backend.to_host(array) for array in gathered[0]])
 
     @property
     def cluster_resolver(self) -> ClusterResolver:

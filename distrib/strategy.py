@@ -158,7 +158,8 @@ class Strategy:
         self._extended._require_cross_replica("Strategy.reduce")
         op = ReduceOp.from_value(reduce_op)
         with self.scope():
-            return map_structure(lambda leaf: self._extended._reduce_to_host(op, leaf, axis), value)
+            leaves, spec = flatten(value)
+            return unflatten(spec, self._extended._reduce_to_host(op, leaves, axis))
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenates the per-replica components of `value` along `axis` into one host NumPy array.

@@ -3,13 +3,24 @@
 import pytest
 
 import distrib
-from support import DEVICES, blocks_of
+from distrib import backends
+from support import DEVICES, CallCountingBackend, blocks_of
 
 
 @pytest.fixture(scope="module")
 def strategy():
     """Four emulated CPU replicas; a module that needs another strategy defines its own fixture."""
     return distrib.MirroredStrategy(DEVICES)
+
+
+@pytest.fixture
+def counting(monkeypatch):
+    """A four-replica strategy on a CPU emulator of its own that counts its collectives: (strategy, backend)."""
+    backend = CallCountingBackend()
+    monkeypatch.setitem(backends._INSTANCES, "cpu", backend)
+    strategy = distrib.MirroredStrategy(DEVICES)
+    yield strategy, backend
+    strategy.close()
 
 
 @pytest.fixture(scope="module")

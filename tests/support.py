@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import distrib
+from distrib.backends.cpu import CpuBackend
 
 DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
 
@@ -42,6 +43,26 @@ def overwrite(array: np.ndarray, value) -> bool:
         return False
     array[...] = value
     return True
+
+
+class CallCountingBackend(CpuBackend):
+    """The real CPU emulator, recording each all_gather and add_n it runs, with the dtype it moves."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []  # (method, dtype name) per call
+
+    def all_gather(self, flats, devices, *, timeout=None):
+        self.calls.append(("all_gather", flats[0].dtype.name))
+        return super().all_gather(flats, devices, timeout=timeout)
+
+    def add_n(self, arrays, device):
+        self.calls.append(("add_n", np.result_type(*arrays).name))
+        return super().add_n(arrays, device)
+
+    def counted(self, method):
+        """The dtypes of the `method` calls so far, in call order."""
+        return [dtype for name, dtype in self.calls if name == method]
 
 
 class DLPackOnly:

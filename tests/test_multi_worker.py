@@ -19,6 +19,7 @@ import distrib
 HERE = pathlib.Path(__file__).parent / "multi_worker"
 sys.path.insert(0, str(HERE))
 import training  # noqa: E402
+from nested_values import ragged_nested, same_shaped  # noqa: E402
 from test_conformance import DELIBERATE_DIFFERENCES  # noqa: E402
 
 MPIRUN = shutil.which("mpirun")
@@ -67,6 +68,29 @@ def test_reduce_gather_and_input_split_as_one_process_with_four_replicas(job):
     batch = next(iter(strategy.experimental_distribute_dataset([np.zeros((7, 2))])))
     assert report["batch_rows"] == [len(b) for b in strategy.experimental_local_results(batch)] == [2, 2, 2, 1]
     assert report["batch_rows_off"] == [4, 3, 4, 3]  # AutoShardPolicy.OFF: each worker splits every batch itself
+
+
+def as_json(value):
+    """`value` as the job's report holds it."""
+    return json.loads(json.dumps(value, default=lambda a: np.asarray(a).tolist()))
+
+
+def test_nested_values_gather_and_reduce_as_one_process_with_four_replicas(job):
+    report, _, _ = job
+    # each process: one exchange of every leaf's length (int64), then one all_gather per dtype
+    assert report["nested_all_gather_dtypes"] == ["bool", "float16", "float32", "int32", "int64"]
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+    out = strategy.run(lambda: distrib.get_replica_context().all_gather(
+        ragged_nested(distrib.get_replica_context().replica_id_in_sync_group), axis=0))
+    assert report["nested_all_gather"] == as_json(list(strategy.experimental_local_results(out)))
+    assert report["nested_all_gather"][0]["i32"] == [0, 0, 1, 0, 1, 2]  # ragged: 0, 1, 2 and 3 rows
+    nested = strategy.experimental_distribute_values_from_function(lambda ctx: ragged_nested(ctx.replica_id_in_sync_group))
+    assert report["nested_gather"] == as_json(strategy.gather(nested, axis=0))
+    numbers = {key: nested[key] for key in ("f32", "f16", "i32")}
+    assert report["nested_reduce_mean_axis0"] == as_json(strategy.reduce("MEAN", numbers, axis=0))
+    assert report["nested_reduce_sum_axis0"] == as_json(strategy.reduce("SUM", numbers, axis=0))
+    same = strategy.experimental_distribute_values_from_function(lambda ctx: same_shaped(ctx.replica_id_in_sync_group))
+    assert report["nested_reduce_mean"] == as_json(strategy.reduce("MEAN", same, axis=None))
 
 
 def test_conformance_programs_give_one_processs_results(job):

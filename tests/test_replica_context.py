@@ -9,11 +9,17 @@ import pytest
 
 import distrib
 from distrib import CommunicationOptions, PerReplica
+from distrib.values import flatten
 from support import DEVICES, local, replica_id
 
 pytestmark = pytest.mark.timeout(30)
 
 Pair = collections.namedtuple("Pair", "first second")
+
+
+def distrib_leaves(structure):
+    """The leaves of a nested structure, in the order distrib flattens it."""
+    return flatten(structure)[0]
 
 
 # -- all_reduce ---------------------------------------------------------------------------------------------------
@@ -142,6 +148,54 @@ def test_all_gather_along_a_negative_axis(strategy):
 
 def test_all_gather_of_nothing_returns_it(strategy):
     assert strategy.run(lambda: distrib.get_replica_context().all_gather([], axis=0)) == []
+
+
+def ragged_nested(r):
+    """Replica r's nested value: several dtypes, lengths along axis 0 that differ between replicas (some 0)."""
+    return {"f32": np.arange(3 * (r + 1), dtype=np.float32).reshape(r + 1, 3) / 7 + r,
+            "f16": [np.full((2, 2), r, np.float16), np.full((r, 1), r / 3, np.float16)],
+            "i32": (np.arange(r, dtype=np.int32), np.full((1, 4), r, np.int32)),
+            "bool": np.array([r % 2 == 0] * (4 - r)),
+            "empty": np.zeros((0, 3), np.float32)}
+
+
+def test_all_gather_of_a_nested_structure_equals_each_leaf_gathered_alone(strategy):
+    def step():
+        ctx, value = distrib.get_replica_context(), ragged_nested(replica_id())
+        return ctx.all_gather(value, axis=0), [ctx.all_gather(leaf, axis=0) for leaf in distrib_leaves(value)]
+
+    replicas = [ragged_nested(r) for r in range(4)]
+    expected = [np.concatenate(parts) for parts in zip(*map(distrib_leaves, replicas))]
+    for nested, alone in local(strategy, strategy.run(step)):
+        for got, by_itself, want in zip(distrib_leaves(nested), alone, expected):
+            np.testing.assert_array_equal(got, want, strict=True)
+            np.testing.assert_array_equal(by_itself, want, strict=True)
+            assert not got.flags.writeable  # a collective's result, as immutable as a tensor
+        assert nested["i32"][0].tolist() == [0, 0, 1, 0, 1, 2]
+
+
+def test_all_gather_of_a_nested_structure_makes_one_backend_all_gather_per_dtype(counting):
+    strategy, backend = counting
+    strategy.run(lambda: distrib.get_replica_context().all_gather(ragged_nested(replica_id()), axis=0))
+    assert sorted(backend.counted("all_gather")) == ["bool", "float16", "float32", "int32"]
+
+
+def test_all_gather_of_a_nested_structure_along_the_last_axis(strategy):
+    def step():
+        r = replica_id()
+        return distrib.get_replica_context().all_gather(
+            [np.full((2, r + 1), r, np.int64), np.full((3, 1), r, np.float16), np.full((2, 2), r, np.int64)], axis=-1)
+
+    for ints, halves, pairs in local(strategy, strategy.run(step)):
+        np.testing.assert_array_equal(ints, [[0, 1, 1, 2, 2, 2, 3, 3, 3, 3]] * 2, strict=True)
+        np.testing.assert_array_equal(halves, np.array([[0, 1, 2, 3]] * 3, np.float16), strict=True)
+        np.testing.assert_array_equal(pairs, [[0, 0, 1, 1, 2, 2, 3, 3]] * 2, strict=True)
+
+
+def test_all_gather_names_the_scalar_leaf_it_cannot_concatenate(strategy):
+    with pytest.raises(ValueError, match=r"^all_gather needs values of rank >= 1 to concatenate along axis 0\. "
+                                         r"Received: a scalar at path \['s'\]"):
+        strategy.run(lambda: distrib.get_replica_context().all_gather({"s": np.float32(1), "v": np.ones(2)}, 0))
 
 
 # -- merge_call ---------------------------------------------------------------------------------------------------

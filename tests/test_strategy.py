@@ -9,6 +9,7 @@ import pytest
 
 import distrib
 from distrib import CommunicationOptions, PerReplica, ReduceOp
+from distrib.values import flatten
 from support import local, per_replica, replica_id
 
 pytestmark = pytest.mark.timeout(30)
@@ -100,6 +101,69 @@ def test_reduce_of_a_nested_structure_reduces_each_leaf(strategy):
     out = strategy.reduce("SUM", value, axis=None)
     assert float(out["a"]) == 6.0
     np.testing.assert_array_equal(out["b"][0], [6, 6])
+
+
+def order_sensitive(r, shape, dtype):
+    """Replica r's values whose sum depends on the order of the additions."""
+    rng = np.random.default_rng(r)
+    return (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4, shape)).astype(dtype)
+
+
+def mixed_leaves(r):
+    """Replica r's leaves of a nested batch: float32, float16 and int32, partial batches (3 - r rows)."""
+    return {"loss": order_sensitive(r, (3 - r, 5), np.float32), "half": order_sensitive(r + 9, (3 - r, 2), np.float16),
+            "ids": np.arange(3 - r, dtype=np.int32) + r, "rows": [order_sensitive(r + 4, (3 - r,), np.float32)]}
+
+
+def same_shaped_leaves(r):
+    """Replica r's leaves of one shape on every replica, 0-d ones too."""
+    return {"loss": order_sensitive(r, (3, 5), np.float32), "half": order_sensitive(r + 9, (3, 2), np.float16),
+            "ids": np.arange(3, dtype=np.int32) * r, "scalar": np.float64(r) / 3, "count": np.int32(r)}
+
+
+def in_device_order(parts):
+    total = parts[0] + parts[1]
+    for part in parts[2:]:
+        total = total + part
+    return total
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("axis", [None, 0])
+def test_reduce_of_a_nested_structure_is_each_leafs_reduction_bit_for_bit(strategy, op, axis):
+    value = per_replica(strategy, same_shaped_leaves if axis is None else mixed_leaves)
+    nested = strategy.reduce(op, value, axis=axis)
+    for leaf, got in zip(flatten(value)[0], flatten(nested)[0]):
+        alone = strategy.reduce(op, leaf, axis=axis)
+        parts = [np.asarray(p) for p in local(strategy, leaf)]
+        if axis is not None:
+            parts = [np.sum(p, axis=axis, dtype=p.dtype) for p in parts]
+        want = in_device_order(parts)
+        if op == "MEAN":
+            count = 4 if axis is None else sum(np.shape(p)[axis] for p in local(strategy, leaf))
+            want = want / count if want.dtype.kind == "i" else np.true_divide(want, want.dtype.type(count))
+        np.testing.assert_array_equal(got, want, strict=True)
+        np.testing.assert_array_equal(alone, want, strict=True)
+
+
+@pytest.mark.parametrize("axis", [None, 0])
+def test_reduce_of_a_nested_structure_sums_each_dtype_once(counting, axis):
+    strategy, backend = counting
+    value = per_replica(strategy, lambda r: [np.full((2, 3), r, dtype) for dtype in ("float32", "float16", "int32")
+                                             for _ in range(10)])
+    strategy.reduce("MEAN", value, axis=axis)
+    counts = ["int64"] if axis is not None else []  # MEAN along an axis: the element counts travel as a value
+    assert sorted(backend.counted("add_n")) == sorted(["float32", "float16", "int32"] + counts)
+
+
+def test_reduce_of_a_nested_structure_names_the_value_that_cannot_be_summed(strategy):
+    value = {"a": per_replica(strategy, np.float32), "b": per_replica(strategy, lambda r: np.array([r > 1]))}
+    with pytest.raises(TypeError, match=r"^Reductions need numeric values\. Received: dtype bool at value 1\."):
+        strategy.reduce("SUM", value, axis=None)
+    ragged = {"a": per_replica(strategy, lambda r: np.ones((2, r + 1), np.float32))}
+    with pytest.raises(ValueError, match=r"^reduce_to needs the same shape and dtype on every replica\. "
+                                         r"Received: replica 1, value 0, float32\[2\] vs float32\[1\]\."):
+        strategy.reduce("SUM", ragged, axis=0)
 
 
 def test_reduce_of_a_plain_value(strategy):

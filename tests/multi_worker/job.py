@@ -21,6 +21,7 @@ from distrib.values import map_structure
 
 sys.path[:0] = [str(pathlib.Path(__file__).parent), str(pathlib.Path(__file__).parents[1])]
 import training  # noqa: E402
+from nested_values import ragged_nested, same_shaped  # noqa: E402
 from test_conformance import CASES, CONFORMANCE, _error_matches, assert_matches  # noqa: E402
 
 comm = MPI.COMM_WORLD
@@ -54,6 +55,25 @@ values = strategy.experimental_distribute_values_from_function(
     lambda ctx: np.full((2, 2), ctx.replica_id_in_sync_group, np.float32))
 report["reduce_mean_axis0"] = strategy.reduce("MEAN", values, axis=0)
 report["gather"] = strategy.gather(values, axis=0)
+
+# -- nested values: each dtype's leaves in one collective, lengths along the axis differing between replicas -------
+backend = strategy.extended.backend
+gathered_dtypes: list = []
+backend.all_gather = lambda flats, devices, **kw: gathered_dtypes.append(flats[0].dtype.name) or \
+    type(backend).all_gather(backend, flats, devices, **kw)  # counts this process's calls
+nested_out = strategy.run(lambda: distrib.get_replica_context().all_gather(
+    ragged_nested(distrib.get_replica_context().replica_id_in_sync_group), axis=0))
+report["nested_all_gather_dtypes"] = sorted(gathered_dtypes)
+del backend.all_gather
+report["nested_all_gather"] = everywhere(map_structure(np.asarray, strategy.experimental_local_results(nested_out)))
+nested = strategy.experimental_distribute_values_from_function(lambda ctx: ragged_nested(ctx.replica_id_in_sync_group))
+report["nested_gather"] = strategy.gather(nested, axis=0)
+numbers = {key: nested[key] for key in ("f32", "f16", "i32")}  # bool cannot be summed
+report["nested_reduce_mean_axis0"] = strategy.reduce("MEAN", numbers, axis=0)
+report["nested_reduce_sum_axis0"] = strategy.reduce("SUM", numbers, axis=0)
+report["nested_reduce_mean"] = strategy.reduce("MEAN", strategy.experimental_distribute_values_from_function(
+    lambda ctx: same_shaped(ctx.replica_id_in_sync_group)), axis=None)
+
 dataset = [np.arange(14, dtype=np.float32).reshape(7, 2)]
 report["batch_rows"] = everywhere([len(b) for b in strategy.experimental_local_results(
     next(iter(strategy.experimental_distribute_dataset(dataset))))])

@@ -1,0 +1,91 @@
+"""All-gather of many values in one backend all_gather per dtype: pad, pack, gather, cut each value out."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from distrib import plan as planner
+from distrib.backends.base import Backend
+
+# (this process's per-replica lengths of every value) -> every replica's, of every process, in replica order
+GatherLengths = Callable[[list[list[int]]], list[list[int]]]
+
+
+def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], devices: Sequence[str], axis: int,
+                     gather_lengths: GatherLengths, timeout: float | None = None) -> list[list[Any]]:
+    """Each value `per_replica[r][v]` concatenated along `axis` over every replica, on every device.
+
+    Lengths along `axis` may differ between replicas (shapes must agree elsewhere: callers check). Every value's
+    length travels in one exchange; then each replica packs its values, each padded to the longest length, into
+    one flat buffer per dtype, so that every replica's buffer has the same size, as a backend's all_gather needs.
+    """
+    xp = backend.xp
+    devices = list(devices)
+    fronts = [[xp.moveaxis(value, axis, 0) for value in values] for values in per_replica]  # views
+    lengths = gather_lengths([[front.shape[0] for front in values] for values in fronts])
+    longest = [max(column) for column in zip(*lengths)]
+    blocks = [(n,) + front.shape[1:] for n, front in zip(longest, fronts[0])]  # each value's padded block
+    packing = planner.plan_concat_split([(block, front.dtype) for block, front in zip(blocks, fronts[0])], 1)
+    results: list[list[Any]] = [[None] * len(blocks) for _ in devices]
+    for buffer in packing.buffers:
+        flats = [backend.pack([_padded(backend, values[m.index], longest[m.index], device) for m in buffer.members],
+                              buffer, device) for values, device in zip(fronts, devices)]
+        gathered = backend.all_gather(flats, devices, timeout=timeout)
+        for member in buffer.members:
+            joined = _joined(backend, gathered, buffer, member, [n[member.index] for n in lengths], devices)
+            for out, array in zip(results, joined):
+                out[member.index] = xp.moveaxis(array, 0, axis)
+    return results
+
+
+def _padded(backend: Backend, front: Any, longest: int, device: str) -> Any:
+    """`front` (the value, gather axis first) with zero rows appended up to `longest` rows."""
+    if front.shape[0] == longest:
+        return front
+    pad = backend.empty((longest,) + front.shape[1:], front.dtype, device)
+    with backend.device_scope(device):
+        pad[:front.shape[0]] = front
+        pad[front.shape[0]:] = 0
+    return pad
+
+
+def _joined(backend: Backend, gathered: Sequence[Any], buffer: planner.Buffer, member: planner.Member,
+            lengths: list[int], devices: list[str]) -> list[Any]:
+    """One value's concatenation over the replicas (gather axis first), on every device, out of the gathered packs.
+
+    A value gathered alone and equally long everywhere is the gathered buffer itself, reshaped (no copy). Else its
+    rows are copied out of each replica's pack, so that a kept result keeps only itself alive; on the emulator,
+    whose devices share one read-only gathered buffer, once for all devices, which get read-only views.
+    """
+    block = member.shape
+    ragged = any(n != block[0] for n in lengths)
+    if len(buffer.members) == 1 and not ragged:
+        return [flat.reshape((len(lengths) * block[0],) + block[1:]) for flat in gathered]
+    if _one_host_buffer(backend, gathered):
+        joined = _cut_out(backend, gathered[0], buffer.size, member, lengths, devices[0])
+        joined.flags.writeable = False
+        return [joined] + [joined.view() for _ in devices[1:]]
+    return [_cut_out(backend, flat, buffer.size, member, lengths, device) for flat, device in zip(gathered, devices)]
+
+
+def _cut_out(backend: Backend, flat: Any, pack_size: int, member: planner.Member, lengths: list[int],
+             device: str) -> Any:
+    """Replica r's first `lengths[r]` rows of `member` in each replica's pack of `flat`, concatenated."""
+    block = member.shape
+    packs = flat.reshape(len(lengths), pack_size)
+    pieces = [packs[r, member.offset:member.offset + member.size].reshape(block)[:n] for r, n in enumerate(lengths)]
+    joined = backend.empty((sum(lengths),) + block[1:], flat.dtype, device)
+    with backend.device_scope(device):
+        backend.xp.concatenate(pieces, axis=0, out=joined)
+    return joined
+
+
+def _one_host_buffer(backend: Backend, gathered: Sequence[Any]) -> bool:
+    """Whether every device's gathered array is the same read-only host memory (the emulator's shared result)."""
+    first = gathered[0]
+    if backend.xp is not np or first.flags.writeable:
+        return False
+    address = first.__array_interface__["data"][0]
+    return all(flat.__array_interface__["data"][0] == address for flat in gathered[1:])
