@@ -197,10 +197,9 @@ class CpuBackend(Backend):
     def __init__(self, num_default_replicas: int | None = None):
         if num_default_replicas is None:
             raw = os.environ.get("DISTRIB_CPU_REPLICAS", str(DEFAULT_REPLICAS))
-            try:
-                num_default_replicas = int(raw)
-            except ValueError:
-                raise ValueError(f"DISTRIB_CPU_REPLICAS must be a positive integer. Received: {raw!r}.") from None
+            if not raw.strip().isdigit() or int(raw) < 1:
+                raise ValueError(f"DISTRIB_CPU_REPLICAS must be a positive integer. Received: {raw!r}.")
+            num_default_replicas = int(raw)
         if num_default_replicas < 1:
             raise ValueError(f"The CPU emulator needs at least 1 replica. Received: {num_default_replicas}.")
         self._num_default = num_default_replicas

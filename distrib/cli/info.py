@@ -19,13 +19,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def gather() -> dict:
     """Everything `distrib info` reports, as a JSON-ready dict; never raises for a missing GPU, driver or NVML."""
     from distrib.backends import cuda_problem, detect, get_backend
+    from distrib.errors import BackendUnavailableError
 
-    kind = detect()
     forced = os.environ.get("DISTRIB_BACKEND", "").strip().lower()
-    reason = (f"DISTRIB_BACKEND={forced}" if forced else
-              "CuPy sees a GPU and NCCL is loadable" if kind == "cuda" else f"CUDA unavailable: {cuda_problem()}")
-    facts: dict = {"backend": kind, "reason": reason,
-                   "default_devices": list(get_backend(kind).default_devices()),
+    try:
+        kind = detect()
+        default_devices = list(get_backend(kind).default_devices())
+    except (BackendUnavailableError, ValueError) as exc:  # DISTRIB_BACKEND or DISTRIB_CPU_REPLICAS it cannot use
+        kind, default_devices, reason = None, [], str(exc)
+    else:
+        reason = (f"DISTRIB_BACKEND={forced}" if forced else
+                  "CuPy sees a GPU and NCCL is loadable" if kind == "cuda" else f"CUDA unavailable: {cuda_problem()}")
+    facts: dict = {"backend": kind, "reason": reason, "default_devices": default_devices,
                    "gpus": [], "gpu_problem": None, "versions": versions(),
                    "missing": {name: {"for": why, "extra": extra} for name, (why, extra) in missing().items()}}
     try:
@@ -46,8 +51,8 @@ def render(facts: dict) -> list[str]:
     """The facts as plain text lines."""
     v = facts["versions"]
     lines = [f"distrib {v['distrib']} on Python {v['python']}, NumPy {v['numpy']}",
-             f"backend: {facts['backend']} ({facts['reason']})",
-             f"default devices: {', '.join(facts['default_devices'])}", ""]
+             f"backend: {facts['backend'] or 'none'} ({facts['reason']})",
+             f"default devices: {', '.join(facts['default_devices']) or 'none'}", ""]
     if facts["gpu_problem"]:
         lines.append(f"GPUs: none ({facts['gpu_problem']})")
     else:
@@ -74,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Prints the facts; exit status 1 when the environment leaves distrib no backend to run on."""
     facts = gather()
+    status = 0 if facts["backend"] else 1
     if args.json:
         print(json.dumps(facts, indent=1))
-        return 0
+        return status
     lines = render(facts)
     if sys.stdout.isatty() and mpi_environment() is None:  # an MPI launcher's pseudo-terminal is its log
         from rich.console import Console
@@ -85,4 +92,4 @@ def run(args: argparse.Namespace) -> int:
         Console().print("\n".join(lines), markup=False, highlight=True)
     else:
         print("\n".join(lines))
-    return 0
+    return status

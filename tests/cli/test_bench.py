@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -102,6 +103,18 @@ def test_flags_distrib_cannot_honour_exit_with_the_reason(flags, message, capsys
         cli.main(["bench", "all_reduce", *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DISTRIB_BACKEND": "gpu"}, "distrib bench: error: DISTRIB_BACKEND must be 'cpu' or 'cuda'. Received: 'gpu'."),
+    ({"DISTRIB_BACKEND": "cpu", "DISTRIB_CPU_REPLICAS": "0"},
+     "distrib bench: error: DISTRIB_CPU_REPLICAS must be a positive integer. Received: '0'."),
+])
+def test_an_environment_distrib_cannot_use_exits_with_one_line(env, message):
+    result = subprocess.run([sys.executable, "-m", "distrib", "bench", "all_reduce", *QUICK], capture_output=True,
+                            text=True, timeout=120, env={**os.environ, **env})
+    assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (2, message)
+    assert "Traceback" not in result.stderr
 
 
 def test_json_follows_the_schema_and_the_plot_is_a_png(tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,10 +13,11 @@ from distrib.cli import topology
 NO_NVML = "import sys; sys.modules['pynvml'] = None; from distrib.cli import main; sys.exit(main(['info']))"
 
 
-def info(*flags, program=None):
+def info(*flags, program=None, env=None, status=0):
     command = [sys.executable, "-c", program] if program else [sys.executable, "-m", "distrib", "info", *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env=None if env is None else {**os.environ, **env})
+    assert result.returncode == status, result.stderr
     return result.stdout
 
 
@@ -31,6 +33,15 @@ def test_info_says_there_is_no_gpu_instead_of_failing():
 
 def test_info_without_nvml_names_the_package_to_install():
     assert "pynvml is not installed" in info(program=NO_NVML)
+
+
+def test_info_reports_an_environment_that_leaves_no_backend_instead_of_a_traceback():
+    out = info(env={"DISTRIB_BACKEND": "gpu"}, status=1)
+    assert "backend: none (DISTRIB_BACKEND must be 'cpu' or 'cuda'. Received: 'gpu'.)" in out
+    assert "default devices: none" in out and "versions:" in out
+    facts = json.loads(info("--json", env={"DISTRIB_BACKEND": "cpu", "DISTRIB_CPU_REPLICAS": "0"}, status=1))
+    assert facts["backend"] is None and facts["default_devices"] == []
+    assert facts["reason"].startswith("DISTRIB_CPU_REPLICAS must be a positive integer. Received: '0'.")
 
 
 def test_info_as_json():

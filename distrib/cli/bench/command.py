@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from distrib.backends import detect, get_backend
     from distrib.cli.versions import versions
+    from distrib.errors import BackendUnavailableError
 
     collective = COLLECTIVES[args.collective]
     check_arguments(args)
@@ -147,9 +148,12 @@ def run(args: argparse.Namespace) -> int:
         passes, notes = combinations(args.datatype, args.op, args.collective, collective.reduces)
     except SweepError as exc:
         raise _fail(str(exc)) from None
-    kind = detect()
-    backend = get_backend(kind)
-    strategy, job, devices = _strategy(args, kind, backend)
+    try:
+        kind = detect()
+        backend = get_backend(kind)
+        strategy, job, devices = _strategy(args, kind, backend)
+    except (BackendUnavailableError, ValueError) as exc:  # DISTRIB_BACKEND or DISTRIB_CPU_REPLICAS it cannot use
+        raise _fail(str(exc)) from None
     series = build_series(args, strategy, kind, job, devices)
     label = job_label(kind, backend, job)
     using = device_lines(kind, backend, devices, job)
