@@ -52,6 +52,7 @@ def write(path: str | os.PathLike, arrays: dict[str, np.ndarray], manifest: dict
     temporary = os.path.join(directory, f"{_temporary_prefix(path)}{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         safetensors.numpy.save_file(tensors, temporary, metadata=metadata)
+        os.chmod(temporary, _new_file_mode())  # safetensors makes its files owner-only
         file = os.open(temporary, os.O_RDONLY)
         try:
             os.fsync(file)
@@ -68,6 +69,18 @@ def write(path: str | os.PathLike, arrays: dict[str, np.ndarray], manifest: dict
             os.fsync(folder)
         finally:
             os.close(folder)
+
+
+def _new_file_mode() -> int:
+    """The mode `open()` gives a new file: 0o666 less the umask (read from /proc where it can be, since setting
+    the umask to read it changes it for every thread meanwhile)."""
+    try:
+        with open("/proc/self/status") as status:
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
 
 
 def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:

@@ -299,6 +299,16 @@ def test_pytorch_free_readers_load_the_weights_by_their_keys(path):
 
 # -- metadata -------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_the_file_gets_the_mode_the_umask_gives_new_files(path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        Checkpoint(w=distrib.Variable(np.ones(3, np.float32))).save(path)
+    finally:
+        os.umask(previous)
+    assert os.stat(path).st_mode & 0o777 == mode
+
+
 def test_metadata_round_trip(path):
     w = distrib.Variable(np.zeros(2, np.float32))
     history = {"loss": [0.5, 0.25], "accuracy": [0.75, 0.9]}
