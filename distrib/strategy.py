@@ -238,6 +238,7 @@ class Strategy:
 
         Raises:
           RuntimeError: a timeline is already recording.
+          OSError: `file_path` cannot be written.
         """
         timeline.start(file_path)
 

@@ -89,12 +89,32 @@ class Timeline:
 
     def write(self) -> str:
         """Writes the trace to `path` (through a temporary file, so a reader never sees half of it)."""
+        temporary = self._temporary()
+        temporary.write_text(json.dumps(self.trace()))
+        os.replace(temporary, self.path)
+        return self.path
+
+    def check_writable(self) -> None:
+        """Raises now, not after the recording, when `path` cannot be written: its folder made, a file put there."""
+        try:
+            temporary = self._temporary()
+            temporary.touch()
+            temporary.unlink()
+        except OSError as exc:
+            raise _with_message(exc, f"A timeline needs a file it can write. Received: {self.path!r} "
+                                     f"({exc.strerror}).") from None
+
+    def _temporary(self) -> Path:
         target = Path(self.path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_name(target.name + ".tmp")
-        temporary.write_text(json.dumps(self.trace()))
-        os.replace(temporary, target)
-        return self.path
+        return target.with_name(target.name + ".tmp")
+
+
+def _with_message(exc: OSError, message: str) -> OSError:
+    """`exc`'s type and errno with `message` as the whole text (no "[Errno N]" before the rule)."""
+    error = type(exc)(message)
+    error.errno = exc.errno
+    return error
 
 
 def _sort_key(track: str) -> int:
@@ -110,12 +130,15 @@ def start(path: str | os.PathLike) -> Timeline:
 
     Raises:
       RuntimeError: a timeline is already recording.
+      OSError: `path` cannot be written (its folder cannot be made, or a file cannot be put there).
     """
     global recording
     with _lock:
         if recording is not None:
             raise RuntimeError(f"A timeline is already recording to {recording.path!r}; stop it first.")
-        recording = Timeline(path)
+        timeline = Timeline(path)
+        timeline.check_writable()
+        recording = timeline
         return recording
 
 
@@ -245,7 +268,10 @@ def _nbytes(value: Any) -> int:
 def _start_from_environment() -> None:
     path = os.environ.get(ENV, "").strip()
     if path and recording is None:
-        start(path)
+        try:
+            start(path)
+        except OSError as exc:  # refused at import rather than the whole program's trace lost at exit
+            raise _with_message(exc, f"{ENV}: {exc}") from None
         atexit.register(stop)
 
 

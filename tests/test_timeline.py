@@ -81,6 +81,20 @@ def test_start_twice_is_an_error_and_stop_without_start_returns_none(tmp_path):
     assert not (tmp_path / "b.json").exists()
 
 
+def test_a_path_that_cannot_be_written_is_refused_at_the_start_not_at_the_end(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    path = tmp_path / "a_file" / "trace.json"  # a folder that cannot be made: a file holds its name
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    with pytest.raises(OSError, match=r"^A timeline needs a file it can write\. Received: '.*a_file/trace\.json'"):
+        strategy.start_timeline(path)
+    assert timeline.recording is None
+    result = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
+                            env={**os.environ, "DISTRIB_TIMELINE": str(path), "DISTRIB_BACKEND": "cpu"})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "FileExistsError: DISTRIB_TIMELINE: A timeline needs a file it can write. Received: ")
+
+
 def test_nothing_is_recorded_while_off(tmp_path):
     strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
     strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(3)))
