@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         strategy.close()
     if chief:
-        print(f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epochs; {result.seconds:.1f} s, "
-              f"{result.samples_per_second:,.0f} samples/s")
+        print(f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epoch{'s' * (result.epochs != 1)}; "
+              f"{result.seconds:.1f} s, {result.samples_per_second:,.0f} samples/s")
         print(f"checkpoint {result.checkpoint}" + (f", loss curve {result.plot}" if result.plot else ""))
     return 0

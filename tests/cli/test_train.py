@@ -131,7 +131,7 @@ def test_running_again_into_a_run_needs_resume_or_overwrite(tmp_path, capsys):
     flags = ["--replicas", "2", "--epochs", "1", "--out", str(tmp_path)]
     assert train_main(flags) == 0
     saved = (tmp_path / "ckpt").read_bytes()
-    capsys.readouterr()
+    assert "after 1 epoch; " in capsys.readouterr().out
     assert refusal(capsys, flags).startswith("--out already holds a run (ckpt, history.json, loss.png): pass "
                                              "--resume to continue it or --overwrite to replace it.")
     assert (tmp_path / "ckpt").read_bytes() == saved
