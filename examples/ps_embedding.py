@@ -6,7 +6,7 @@ logistic layer. The table is split over the parameter servers by `MinSizePartiti
 the rows its batch names and sends back only their gradients (`scatter_sub`), while Adam updates the dense
 layer on its server. The workers run on a local Ray cluster (or the one `RAY_ADDRESS` names), each drawing
 batches from its own per-worker dataset, each at its own pace. The labels come from a hidden score per token,
-so the model can learn them: test accuracy rises from 50% to about 90% or more.
+so the model can learn them: test accuracy rises from 50% to about 85% in the default 1,000 steps.
 """
 
 from __future__ import annotations
