@@ -117,6 +117,22 @@ def test_an_environment_distrib_cannot_use_exits_with_one_line(env, message):
     assert "Traceback" not in result.stderr
 
 
+def test_output_files_are_checked_before_measuring(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    for flag in ("--json", "--plot"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["bench", "all_reduce", *QUICK, flag, str(tmp_path / "a_file" / "r")])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"distrib bench: error: {flag} must name a file distrib bench can write. Received: ")
+    program = ("import sys; sys.modules['matplotlib'] = None; from distrib import cli; "
+               f"sys.exit(cli.main(['bench', 'all_reduce', '--plot', {str(tmp_path / 'r.png')!r}]))")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (
+        2, "distrib bench: error: --plot needs matplotlib: pip install 'distrib[bench]'.")
+    assert result.stdout == ""  # refused before the first row
+
+
 def test_json_follows_the_schema_and_the_plot_is_a_png(tmp_path, capsys):
     status, out = run_bench(["batch_reduce", "-g", "2", "-b", "2K", "-e", "4K", "-n", "2", "-w", "1",
                              "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png")], capsys)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
+import pathlib
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -73,6 +76,25 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.minbytes > args.maxbytes:
         raise _fail(f"invalid sizes for 'minbytes' and 'maxbytes': {args.minbytes} > {args.maxbytes}")
     args.bytes_per_pack = [parse_size(v) for v in str(args.bytes_per_pack).split(",") if v.strip()]
+    _check_outputs(args)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--json and --plot checked before the measurements, which can take minutes, rather than after them."""
+    launched = mpi_environment()
+    if launched is not None and launched[1] != 0:  # rank 0 alone writes files
+        return
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise _fail("--plot needs matplotlib: pip install 'distrib[bench]'.")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            try:
+                folder = pathlib.Path(path).absolute().parent
+                folder.mkdir(parents=True, exist_ok=True)
+                tempfile.TemporaryFile(dir=folder).close()
+            except OSError as exc:
+                raise _fail(f"{flag} must name a file distrib bench can write. Received: {path!r} "
+                            f"({exc.strerror}).") from None
 
 
 def build_series(args, strategy, backend_kind: str, job: Job, devices: list[str]) -> list:
