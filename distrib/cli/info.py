@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from distrib.cli import topology
@@ -65,10 +66,16 @@ def render(facts: dict) -> list[str]:
     lines += [f"  {name:<14s}{version or 'not installed'}" for name, version in v.items()]
     if facts["missing"]:
         lines += ["", "missing:"]
-        lines += [f"  {name:<14s}for {m['for']}: pip install '{m['extra'].split(' or ')[0]}'"
-                  + (f" (or {m['extra'].split(' or ', 1)[1]})" if " or " in m["extra"] else "")
+        lines += [f"  {name:<14s}for {m['for']}: {_install_command(m['extra'])}"
                   for name, m in facts["missing"].items()]
     return lines
+
+
+def _install_command(extras: str) -> str:
+    """"distrib[a], distrib[b] or distrib[c]" -> "pip install 'distrib[a]' (or distrib[b], distrib[c])": one extra
+    to install, since pip reads the whole quoted string as one requirement."""
+    first, *others = re.split(r", | or ", extras)
+    return f"pip install '{first}'" + (f" (or {', '.join(others)})" if others else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from distrib._version import __version__
 OPTIONAL = {
     "cupy": ("GPU arrays and NCCL (the cuda backend)", "distrib[cuda12] or distrib[cuda13]"),
     "pynvml": ("GPU discovery and the link matrix without a CUDA context", "distrib[cuda12] or distrib[cuda13]"),
-    "ml_dtypes": ("bfloat16 arrays", "distrib[cuda12], distrib[train] or distrib[bench]"),
+    "ml_dtypes": ("bfloat16 arrays", "distrib[train], distrib[bench] or distrib[cuda12]"),
     "mpi4py": ("multi-worker runs over MPI", "distrib[mpi]"),
     "ray": ("ParameterServerStrategy", "distrib[ps]"),
     "rich": ("tables and progress bars on a terminal", "distrib[bench] or distrib[train]"),

@@ -44,6 +44,13 @@ def test_info_reports_an_environment_that_leaves_no_backend_instead_of_a_traceba
     assert facts["reason"].startswith("DISTRIB_CPU_REPLICAS must be a positive integer. Received: '0'.")
 
 
+def test_every_missing_package_gets_one_pip_command_that_pip_can_read():
+    out = info(program="import sys; sys.modules['ml_dtypes'] = None; sys.modules['ray'] = None; "
+                       "from distrib.cli import main; sys.exit(main(['info']))")
+    assert "ml_dtypes     for bfloat16 arrays: pip install 'distrib[train]' (or distrib[bench], distrib[cuda12])" in out
+    assert "ray           for ParameterServerStrategy: pip install 'distrib[ps]'\n" in out
+
+
 def test_info_as_json():
     facts = json.loads(info("--json"))
     if detect() == "cuda":
