@@ -199,12 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--learning-rate", type=float,
                         help=f"default {DEFAULT_LEARNING_RATES['adam']} for adam, {DEFAULT_LEARNING_RATES['sgd']} "
                              f"for sgd")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam")
     parser.add_argument("--momentum", type=float, help="SGD momentum (default 0.9; sgd only)")
     parser.add_argument("--precision", choices=("float32", "float16", "bfloat16"), default="float32",
-                        help="compute dtype of the forward and backward passes; weights stay float32")
+                        help="dtype of the forward and backward passes (default float32); weights stay float32")
     parser.add_argument("--hidden", type=int, default=128, help="hidden units (default 128)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffling")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffling (default 0)")
     parser.add_argument("--out", type=Path, default=Path("runs/digits"),
                         help="run directory: ckpt, history.json, loss.png (default runs/digits)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
