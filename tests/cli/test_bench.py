@@ -11,12 +11,20 @@ import sys
 import numpy as np
 import pytest
 
-from distrib import cli
+from distrib import backends, cli
 from distrib.cli.bench import report
 from distrib.cli.bench.runners import NumpySeries, RowSpec, count_wrong
 from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, footer, parse_size, row, sizes
 
 QUICK = ["-g", "4", "-b", "1K", "-e", "8K", "-f", "8", "-n", "2", "-w", "1"]
+
+
+@pytest.fixture(autouse=True)
+def on_the_emulator(monkeypatch):
+    """The emulator's tables on every machine, as with DISTRIB_BACKEND=cpu: on one with a GPU, detection would
+    pick it, and `-g 4` would ask for more GPUs than one machine may have."""
+    monkeypatch.setenv("DISTRIB_BACKEND", "cpu")  # the subprocesses too
+    monkeypatch.setattr(backends, "_DETECTED", [])  # detected again with it, and as before after the test
 
 
 @pytest.mark.parametrize("name, factor", [("all_reduce", 1.5), ("all_gather", 0.75), ("reduce_scatter", 0.75),
