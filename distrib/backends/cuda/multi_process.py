@@ -63,10 +63,13 @@ class JobCommunicators(nccl_comms.Communicators):
             comms = []
             try:
                 nccl.groupStart()  # several communicators in one thread must be created inside one group
-                for k, ordinal in enumerate(ordinals):
-                    with cupy.cuda.Device(ordinal):
-                        comms.append(nccl.NcclCommunicator(group.num_replicas, unique_id, group.first_replica + k))
-                nccl.groupEnd()
+                try:
+                    for k, ordinal in enumerate(ordinals):
+                        with cupy.cuda.Device(ordinal):
+                            comms.append(nccl.NcclCommunicator(group.num_replicas, unique_id,
+                                                               group.first_replica + k))
+                finally:
+                    nccl.groupEnd()  # a group left open would hold back every later NCCL call of this thread
             except nccl.NcclError as exc:
                 raise CollectiveError(f"NCCL could not join the job's communicator from rank {group.rank} (GPUs "
                                       f"{list(ordinals)}): {exc}.", operation=operation, status=exc.status) from exc

@@ -1,4 +1,4 @@
-"""The CUDA backend across MPI processes, without a GPU: late ranks named past a deadline, one job-wide all-reduce per plan."""
+"""The multi-process CUDA backend without a GPU: late ranks named, one job-wide all-reduce, NCCL groups closed."""
 
 from __future__ import annotations
 
@@ -52,3 +52,32 @@ def test_every_plan_method_runs_as_one_all_reduce_over_the_whole_job(monkeypatch
     backend.execute(plan, [[None, None]] * 2, ["GPU:0", "GPU:1"])
     (whole,) = handed
     assert whole.method == NATIVE and whole.packing is plan.packing and not whole.mean
+
+
+class OneRank:
+    """A one-process job's group, as JobCommunicators uses it (run the call, broadcast to itself), whose replica
+    is numbered past the job's end, so that NCCL refuses it on a machine with a GPU too."""
+
+    rank, num_replicas, first_replica = 0, 1, 1
+
+    def __init__(self):
+        self.comm = self
+
+    def run(self, what, call, timeout):
+        call()
+
+    def bcast(self, value, root):
+        return value
+
+
+def test_joining_the_communicator_closes_its_nccl_group_when_it_fails():
+    from cupy.cuda import nccl
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    from distrib.backends.cuda.multi_process import JobCommunicators
+    from distrib.errors import CollectiveError
+
+    with pytest.raises((CollectiveError, CUDARuntimeError)):  # NCCL refuses rank 1 of 1; without a GPU, CUDA fails
+        JobCommunicators(OneRank(), [0])._communicators((0,), "all_reduce")
+    with pytest.raises(nccl.NcclError):  # no group is left open to hold back this thread's later NCCL calls
+        nccl.groupEnd()
