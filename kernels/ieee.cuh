@@ -6,29 +6,17 @@
 // double has no flush-to-zero mode: its _rn intrinsics are exact already.
 // Inlined into the kernels that include it by the kernel loader's source().
 
-__device__ __forceinline__ float add_rn(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+#define DISTRIB_F32_BINARY(NAME, INSTRUCTION)                                      \
+    __device__ __forceinline__ float NAME(float a, float b) {                      \
+        float r;                                                                   \
+        asm(INSTRUCTION " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                \
+        return r;                                                                  \
+    }
 
-__device__ __forceinline__ float sub_rn(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float mul_rn(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float div_rn(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+DISTRIB_F32_BINARY(add_rn, "add.rn.f32")
+DISTRIB_F32_BINARY(sub_rn, "sub.rn.f32")
+DISTRIB_F32_BINARY(mul_rn, "mul.rn.f32")
+DISTRIB_F32_BINARY(div_rn, "div.rn.f32")
 
 __device__ __forceinline__ float sqrt_rn(float a) {
     float r;
