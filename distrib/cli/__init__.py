@@ -42,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         from distrib.cli.bench.command import run
     else:
         from distrib.cli.info import run
-    return run(args)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # Ctrl-C: the rows printed so far stand; one line instead of a traceback
+        files = [f for f in (getattr(args, "json", None), getattr(args, "plot", None)) if isinstance(f, str)]
+        print(f"distrib {args.command}: interrupted" + (f"; {' and '.join(files)} not written" if files else "")
+              + ".", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
