@@ -21,6 +21,7 @@ import distrib  # noqa: E402
 from distrib.backends.parallel import usable_cores  # noqa: E402
 from distrib.cli.bench.runners import sum_in_order  # noqa: E402
 from measure import BATCH_COUNT, BATCH_ELEMENTS, VECTOR_ELEMENTS, WORKLOADS, per_step_us  # noqa: E402
+from nested import NESTED_LEAVES, NESTED_WORKLOADS, measure_nested  # noqa: E402
 
 TARGET_REPLICAS = 4
 SCALING_WORKLOAD = "allreduce_1m"
@@ -240,6 +241,15 @@ def report(results: dict, tf: dict, targets: list[dict], versus_tf: list[dict], 
         print(f"No comparison with TensorFlow: it runs on {tf['replicas']} replicas, which --replicas leaves out.")
 
 
+def report_nested(nested: dict, cores: int) -> None:
+    show(f"nested structures of {NESTED_LEAVES} leaves (float32, float16, int32), µs per call (median)",
+         ["workload", "replicas", "cores", "distrib µs", "µs per leaf"],
+         [[name, str(replicas), str(cores), fmt_us(rows[name]["distrib_us"]), fmt_us(rows[name]["us_per_leaf"])]
+          for name in NESTED_WORKLOADS for replicas, rows in nested.items()],
+         "all_gather_50: strategy.run of a step that all_gathers the 50 leaves (lengths along axis 0 differ by "
+         "replica); reduce_50: strategy.reduce(SUM, axis=None); reduce_mean_axis0_50: strategy.reduce(MEAN, axis=0).")
+
+
 def scaling_core_counts(cores: int) -> list[int]:
     """1, 2, 4, ... below `cores`, then `cores` itself."""
     counts = [1]
@@ -294,6 +304,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=BENCH / "results" / f"strategy-{today}-cpu.json")
     parser.add_argument("--tf-python", help="python of a TensorFlow environment, to run tf_peer.py under")
     parser.add_argument("--no-scaling", action="store_true", help="skip the 1-to-all-cores runs")
+    parser.add_argument("--nested-only", action="store_true", help="only the nested workloads (all_gather and "
+                        "reduce of 50 leaves); writes no JSON")
     parser.add_argument("--scaling-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.scaling_child:
@@ -304,6 +316,10 @@ def main() -> None:
     load_at_start = round(os.getloadavg()[0], 2)
     if load_at_start > 0.5:  # on a machine with few cores other work inflates every number below
         print(f"warning: load average {load_at_start} at start; timings may be inflated.", file=sys.stderr)
+    nested = {replicas: measure_nested(replicas, repeats, min_seconds) for replicas in args.replicas}
+    report_nested(nested, cores)
+    if args.nested_only:
+        return
 
     results = {}
     for replicas in args.replicas:
@@ -331,6 +347,8 @@ def main() -> None:
                      "ratio": "distrib_us / floor_us (plain sums, no copies)"},
         "results": [{"workload": name, "replicas": replicas, "cores": cores, **rows[name]}
                     for name in WORKLOADS for replicas, rows in results.items()],
+        "nested": [{"workload": name, "replicas": replicas, "cores": cores, "leaves": NESTED_LEAVES, **rows[name]}
+                   for name in NESTED_WORKLOADS for replicas, rows in nested.items()],
         "scaling": scaling, "targets": targets, "tensorflow": tf, "versus_tensorflow": versus_tf,
     }, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)

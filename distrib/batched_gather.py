@@ -23,20 +23,24 @@ def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], dev
     """
     xp = backend.xp
     devices = list(devices)
-    fronts = [[xp.moveaxis(value, axis, 0) for value in values] for values in per_replica]  # views
+    axes = [axis % value.ndim for value in per_replica[0]]  # callers checked ranks: every replica's are the same
+    fronts = [[value if a == 0 else xp.moveaxis(value, a, 0) for value, a in zip(values, axes)]  # views
+              for values in per_replica]
     lengths = gather_lengths([[front.shape[0] for front in values] for values in fronts])
     longest = [max(column) for column in zip(*lengths)]
     blocks = [(n,) + front.shape[1:] for n, front in zip(longest, fronts[0])]  # each value's padded block
-    packing = planner.plan_concat_split([(block, front.dtype) for block, front in zip(blocks, fronts[0])], 1)
+    packing = planner.one_buffer_per_dtype(tuple((block, front.dtype) for block, front in zip(blocks, fronts[0])))
     results: list[list[Any]] = [[None] * len(blocks) for _ in devices]
     for buffer in packing.buffers:
         flats = [backend.pack([_padded(backend, values[m.index], longest[m.index], device) for m in buffer.members],
                               buffer, device) for values, device in zip(fronts, devices)]
         gathered = backend.all_gather(flats, devices, timeout=timeout)
+        shared = _one_host_buffer(backend, gathered)
         for member in buffer.members:
-            joined = _joined(backend, gathered, buffer, member, [n[member.index] for n in lengths], devices)
+            joined = _joined(backend, gathered, shared, buffer, member, [n[member.index] for n in lengths], devices)
+            a = axes[member.index]
             for out, array in zip(results, joined):
-                out[member.index] = xp.moveaxis(array, 0, axis)
+                out[member.index] = array if a == 0 else xp.moveaxis(array, 0, a)
     return results
 
 
@@ -51,19 +55,19 @@ def _padded(backend: Backend, front: Any, longest: int, device: str) -> Any:
     return pad
 
 
-def _joined(backend: Backend, gathered: Sequence[Any], buffer: planner.Buffer, member: planner.Member,
-            lengths: list[int], devices: list[str]) -> list[Any]:
+def _joined(backend: Backend, gathered: Sequence[Any], shared: bool, buffer: planner.Buffer,
+            member: planner.Member, lengths: list[int], devices: list[str]) -> list[Any]:
     """One value's concatenation over the replicas (gather axis first), on every device, out of the gathered packs.
 
     A value gathered alone and equally long everywhere is the gathered buffer itself, reshaped (no copy). Else its
-    rows are copied out of each replica's pack, so that a kept result keeps only itself alive; on the emulator,
-    whose devices share one read-only gathered buffer, once for all devices, which get read-only views.
+    rows are copied out of each replica's pack, so that a kept result keeps only itself alive; when the devices
+    share one read-only gathered buffer (`shared`: the emulator), once for all devices, which get read-only views.
     """
     block = member.shape
     ragged = any(n != block[0] for n in lengths)
     if len(buffer.members) == 1 and not ragged:
         return [flat.reshape((len(lengths) * block[0],) + block[1:]) for flat in gathered]
-    if _one_host_buffer(backend, gathered):
+    if shared:
         joined = _cut_out(backend, gathered[0], buffer.size, member, lengths, devices[0])
         joined.flags.writeable = False
         return [joined] + [joined.view() for _ in devices[1:]]

@@ -42,7 +42,7 @@ class CrossDeviceOps:
         Each dtype's values are packed into one buffer per device and the buffers summed on the first device in
         device order, as `reduce_to` sums one value: element for element the same additions, so the same bits.
         """
-        packing = planner.plan_concat_split([(value.shape, value.dtype) for value in per_replica[0]], 1)
+        packing = planner.one_buffer_per_dtype(tuple((value.shape, value.dtype) for value in per_replica[0]))
         results: list[Any] = [None] * len(per_replica[0])
         for buffer in packing.buffers:
             flats = [backend.pack([values[m.index] for m in buffer.members], buffer, device)

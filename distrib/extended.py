@@ -157,12 +157,12 @@ class StrategyExtended(abc.ABC):
         host_ids, host_values = [], []  # reduced onto the host: one batched reduction too
         host_arrays = backend.xp is np  # emulated devices: an array is on every device already
         for k, (value, destinations) in enumerate(pairs):
-            if host_arrays and type(value) is PerReplica and destinations == devices and \
-                    len(value._values) == len(devices) and all(type(c) is np.ndarray for c in value._values):
+            if host_arrays and type(value) is PerReplica and (destinations == devices or destinations == (HOST,)) \
+                    and len(value._values) == len(devices) and all(type(c) is np.ndarray for c in value._values):
                 arrays = value._values
                 _check_reduce_inputs(arrays, k)
-                all_reduce_ids.append(k)
-                all_reduce_values.append(arrays)
+                (all_reduce_ids if destinations == devices else host_ids).append(k)
+                (all_reduce_values if destinations == devices else host_values).append(arrays)
                 continue
             components = self._local_components(value)
             mirrored = isinstance(value, (Mirrored, MirroredVariable))  # TensorFlow's is_mirrored

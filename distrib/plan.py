@@ -205,6 +205,12 @@ def plan_concat_split(specs: Sequence[Spec], num_packs: int) -> Plan:
     return Plan(tuple(buffers))
 
 
+@functools.lru_cache(maxsize=256)
+def one_buffer_per_dtype(specs: tuple[tuple[tuple[int, ...], object], ...]) -> Plan:
+    """`plan_concat_split(specs, 1)`, memoized (a training step asks for the same packing at every step)."""
+    return plan_concat_split(specs, 1)
+
+
 # -- how a batched all-reduce moves its packs ------------------------------------------------------------------
 
 NATIVE = "native"  # the backend's own all-reduce: NCCL on GPUs, in-order sums on the CPU emulator
