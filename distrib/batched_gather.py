@@ -23,7 +23,11 @@ def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], dev
     """
     xp = backend.xp
     devices = list(devices)
-    axes = [axis % value.ndim for value in per_replica[0]]  # callers checked ranks: every replica's are the same
+    for value in per_replica[0]:  # callers checked that every replica's ranks are replica 0's
+        if not -value.ndim <= axis < value.ndim:
+            raise ValueError(f"all_gather needs an axis within every value's rank. Received: axis {axis} for a "
+                             f"value of shape {value.shape}.")
+    axes = [axis % value.ndim for value in per_replica[0]]
     fronts = [[value if a == 0 else xp.moveaxis(value, a, 0) for value, a in zip(values, axes)]  # views
               for values in per_replica]
     lengths = gather_lengths([[front.shape[0] for front in values] for values in fronts])

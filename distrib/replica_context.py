@@ -138,7 +138,15 @@ class ReplicaContext:
                                 arguments=(("reduce_op", op),))
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
-        """Concatenates `value` from every replica along `axis`; shapes may differ along `axis` only."""
+        """Concatenates `value` (a nested structure of arrays) from every replica along `axis`; shapes may differ
+        along `axis` only.
+
+        All leaves travel in one all_gather per dtype, their lengths along `axis` in one exchange before it.
+
+        Raises:
+          CollectiveMismatchError (a ValueError): replicas passed different structures, dtypes, or shapes that
+            differ off `axis`.
+        """
         self._require_current("all_gather")
         return self._collective("all_gather", value, options, None,
                                 lambda per_replica, merged: self._host._batch_all_gather(per_replica, axis, merged),

@@ -146,7 +146,8 @@ class Strategy:
         """Reduces a per-replica value across replicas to one host NumPy array (a nested structure works too).
 
         With `axis`, each replica's value is also reduced along that axis first; MEAN then divides by the
-        *global* number of elements along it, so a partial batch split 4/2 divides by 6.
+        *global* number of elements along it, so a partial batch split 4/2 divides by 6. The leaves of a nested
+        structure travel in one batched reduction (one buffer per dtype), summed in device order as one alone.
 
         Example:
           >>> import distrib, numpy as np

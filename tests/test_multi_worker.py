@@ -84,8 +84,11 @@ def test_nested_values_gather_and_reduce_as_one_process_with_four_replicas(job):
         ragged_nested(distrib.get_replica_context().replica_id_in_sync_group), axis=0))
     assert report["nested_all_gather"] == as_json(list(strategy.experimental_local_results(out)))
     assert report["nested_all_gather"][0]["i32"] == [0, 0, 1, 0, 1, 2]  # ragged: 0, 1, 2 and 3 rows
-    nested = strategy.experimental_distribute_values_from_function(lambda ctx: ragged_nested(ctx.replica_id_in_sync_group))
+    nested = strategy.experimental_distribute_values_from_function(
+        lambda ctx: ragged_nested(ctx.replica_id_in_sync_group))
     assert report["nested_gather"] == as_json(strategy.gather(nested, axis=0))
+    assert report["nested_gather_of_a_scalar"].startswith("Strategy.gather needs values of rank >= 1 to concatenate "
+                                                          "along axis 0. Received: a scalar at path ['scalar'].")
     numbers = {key: nested[key] for key in ("f32", "f16", "i32")}
     assert report["nested_reduce_mean_axis0"] == as_json(strategy.reduce("MEAN", numbers, axis=0))
     assert report["nested_reduce_sum_axis0"] == as_json(strategy.reduce("SUM", numbers, axis=0))

@@ -68,6 +68,11 @@ del backend.all_gather
 report["nested_all_gather"] = everywhere(map_structure(np.asarray, strategy.experimental_local_results(nested_out)))
 nested = strategy.experimental_distribute_values_from_function(lambda ctx: ragged_nested(ctx.replica_id_in_sync_group))
 report["nested_gather"] = strategy.gather(nested, axis=0)
+try:
+    strategy.gather({"rows": nested["f32"], "scalar": strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group))}, axis=0)
+except ValueError as exc:
+    report["nested_gather_of_a_scalar"] = str(exc)
 numbers = {key: nested[key] for key in ("f32", "f16", "i32")}  # bool cannot be summed
 report["nested_reduce_mean_axis0"] = strategy.reduce("MEAN", numbers, axis=0)
 report["nested_reduce_sum_axis0"] = strategy.reduce("SUM", numbers, axis=0)
