@@ -12,7 +12,7 @@
 // no search at all, and a tile of small members searches only among its own few, so 1,000 small members move at
 // nearly the speed of 4 large ones (a grid-stride loop over single words searched all members for every word).
 
-struct Word16 {
+struct alignas(16) Word16 {  // aligned: one 128-bit load and store per word, not two 64-bit ones
     unsigned long long lo, hi;
 };
 

@@ -79,6 +79,15 @@ def test_the_move_kernels_cover_every_word_size():
         f"{kind}_w{w}" for kind in ("pack", "unpack") for w in cuda_kernels.WORD_SIZES}
 
 
+@pytest.mark.parametrize("arch", ["compute_75", "compute_90"])
+def test_the_widest_move_kernels_copy_each_word_with_one_128_bit_load_and_store(arch):
+    ptx = compile_to_ptx(cuda_kernels.SOURCES / "pack.cu", arch)
+    for kernel in ("pack_w16", "unpack_w16"):
+        body = ptx.split(f".entry {kernel}(")[1].split(".entry")[0]
+        assert re.search(r"ld\.global\.v(2\.u64|4\.u32)", body), f"{kernel} loads 16-byte words in pieces"
+        assert re.search(r"st\.global\.v(2\.u64|4\.u32)", body), f"{kernel} stores 16-byte words in pieces"
+
+
 def test_the_reduce_kernels_are_exactly_the_kernel_wire_types():
     kernels = {name.removeprefix("reduce_") for name in entry_points(cuda_kernels.source("reduce.cu"))}
     assert kernels == {wire.dtype for wire in cuda_dtypes.KERNEL_WIRES.values()}
