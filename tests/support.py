@@ -1,6 +1,9 @@
 """Helpers shared by the tests: other libraries' arrays, PyTorch or a skip, read-only results, four replicas."""
 
+import contextlib
 import signal
+import subprocess
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -15,6 +18,20 @@ def default_sigint() -> None:
     """A child process's `preexec_fn`: SIGINT back to its default, so that the child's Python turns Ctrl-C into
     KeyboardInterrupt even when the tests run with SIGINT ignored (a shell starts background jobs that way)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def interruptible(command: list[str]) -> Iterator[subprocess.Popen]:
+    """`command` as a child process whose Python turns SIGINT into KeyboardInterrupt (see default_sigint), with
+    text pipes; killed on the way out if it is still running."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=default_sigint)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def per_replica(strategy, fn):

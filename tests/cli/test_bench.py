@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from support import default_sigint
+from support import interruptible
 
 from distrib import backends, cli
 from distrib.cli.bench import report
@@ -145,19 +145,14 @@ def test_output_files_are_checked_before_measuring(tmp_path, capsys):
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
 def test_ctrl_c_keeps_the_rows_printed_and_exits_130_in_one_line(tmp_path):
-    process = subprocess.Popen([sys.executable, "-m", "distrib", "bench", "all_reduce", "-g", "2", "-b", "1K",
-                                "-e", "256M", "-n", "20", "--json", str(tmp_path / "r.json")],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
-    try:
+    with interruptible([sys.executable, "-m", "distrib", "bench", "all_reduce", "-g", "2", "-b", "1K", "-e", "256M",
+                        "-n", "20", "--json", str(tmp_path / "r.json")]) as process:
         assert process.stdout.readline().startswith("# distrib bench all_reduce")
         for line in process.stdout:
             if line.strip()[:1].isdigit():  # the first measured row
                 break
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert process.returncode == 130, err
     assert err.strip().splitlines()[-1] == f"distrib bench: interrupted; {tmp_path / 'r.json'} not written."
     assert "Traceback" not in err and not (tmp_path / "r.json").exists()

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
-from support import default_sigint
+from support import interruptible
 
 from distrib.cli.train import main as train_main
 
@@ -20,18 +19,13 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
 def test_ctrl_c_abandons_the_step_names_the_checkpoint_and_exits_130(tmp_path):
     flags = ["--replicas", "2", "--epochs", "500", "--out", str(tmp_path)]
-    process = subprocess.Popen([sys.executable, "-m", "distrib", "train", *flags], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
-    try:
+    with interruptible([sys.executable, "-m", "distrib", "train", *flags]) as process:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ckpt").exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (tmp_path / "ckpt").exists(), process.stderr.read() if process.poll() is not None else "no checkpoint"
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert process.returncode == 130, err
     assert "Traceback" not in err
     resume = f"distrib train --replicas 2 --epochs 500 --out {tmp_path} --resume"
