@@ -9,11 +9,12 @@ import pytest
 
 import distrib
 from distrib.backends.cpu import CpuBackend
-from distrib.cross_device_ops import HierarchicalCopyAllReduce, NcclAllReduce, ReductionToOneDevice
+from distrib.cross_device_ops import (CollectiveAllReduce, HierarchicalCopyAllReduce, NcclAllReduce,
+                                     ReductionToOneDevice)
 from distrib.devices import HOST
 from distrib.errors import BackendUnavailableError
 from distrib.options import CommunicationOptions, ReduceOp
-from support import overwrite
+from support import CallCountingBackend, overwrite
 
 OPS = [
     pytest.param(lambda: NcclAllReduce(num_packs=0), id="nccl-packs0"),
@@ -343,6 +344,20 @@ def test_all_gather_keeps_dtype(dtype):
     for result in NcclAllReduce().all_gather(CpuBackend(), components, devices(3), 0):
         assert result.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(result, np.concatenate(components))
+
+
+@pytest.mark.parametrize("make_op", [NcclAllReduce, CollectiveAllReduce])
+def test_batch_all_gather_sends_every_length_in_one_exchange_and_each_dtype_in_one_call(make_op):
+    backend = CallCountingBackend()
+    per_replica = [[np.full((r + 1, 2), r, np.float32), np.arange(3 - r, dtype=np.int32),
+                    np.full((r, 2), r, np.float32), np.ones((r + 2, 1), np.float16)] for r in range(3)]
+    out = make_op().batch_all_gather(backend, per_replica, devices(3), 0)
+    assert out[0][3].shape == (9, 1) and out[0][2].tolist() == [[1, 1], [2, 2], [2, 2]]
+    for v in range(4):
+        np.testing.assert_array_equal(out[2][v], np.concatenate([values[v] for values in per_replica]), strict=True)
+    # CollectiveAllReduce exchanges the lengths (other processes' are not here), in one int64 all_gather
+    exchanges = ["int64"] if make_op is CollectiveAllReduce else []
+    assert sorted(backend.counted("all_gather")) == sorted(exchanges + ["float32", "int32", "float16"])
 
 
 # the collective's timeout reaches the backend, which bounds NCCL with it
