@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from distrib import plan as planner
 from distrib.backends.base import Backend
+from distrib.errors import CollectiveMismatchError
 
-# (this process's per-replica lengths of every value) -> every replica's, of every process, in replica order
-GatherLengths = Callable[[list[list[int]]], list[list[int]]]
+# Each value's layout on one replica: (length along the gather axis, elements per row, rank, dtype kind, itemsize)
+Layout = tuple[int, int, int, int, int]
+# (this process's per-replica layouts of every value) -> every replica's, of every process, in replica order
+GatherLayouts = Callable[[list[list[Layout]]], list[list[Layout]]]
 
 
 def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], devices: Sequence[str], axis: int,
-                     gather_lengths: GatherLengths, timeout: float | None = None) -> list[list[Any]]:
+                     gather_layouts: GatherLayouts, timeout: float | None = None) -> list[list[Any]]:
     """Each value `per_replica[r][v]` concatenated along `axis` over every replica, on every device.
 
-    Lengths along `axis` may differ between replicas (shapes must agree elsewhere: callers check). Every value's
-    length travels in one exchange; then each replica packs its values, each padded to the longest length, into
-    one flat buffer per dtype, so that every replica's buffer has the same size, as a backend's all_gather needs.
+    Lengths along `axis` may differ between replicas, shapes elsewhere and dtypes may not (callers check their
+    own replicas; other processes' are checked here). Every value's layout travels in one exchange; then each
+    replica packs its values, each padded to the longest length, into one flat buffer per dtype, so that every
+    replica's buffer has the same size, as a backend's all_gather needs.
+
+    Raises:
+      CollectiveMismatchError: another process's replica has a value of another dtype or off-axis shape.
     """
     xp = backend.xp
     devices = list(devices)
@@ -30,7 +38,9 @@ def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], dev
     axes = [axis % value.ndim for value in per_replica[0]]
     fronts = [[value if a == 0 else xp.moveaxis(value, a, 0) for value, a in zip(values, axes)]  # views
               for values in per_replica]
-    lengths = gather_lengths([[front.shape[0] for front in values] for values in fronts])
+    layouts = gather_layouts([[_layout(front) for front in values] for values in fronts])
+    _check_layouts(layouts)
+    lengths = [[layout[0] for layout in values] for values in layouts]
     longest = [max(column) for column in zip(*lengths)]
     blocks = [(n,) + front.shape[1:] for n, front in zip(longest, fronts[0])]  # each value's padded block
     packing = planner.one_buffer_per_dtype(tuple((block, front.dtype) for block, front in zip(blocks, fronts[0])))
@@ -46,6 +56,28 @@ def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], dev
             for out, array in zip(results, joined):
                 out[member.index] = array if a == 0 else xp.moveaxis(array, 0, a)
     return results
+
+
+def _layout(front: Any) -> Layout:
+    return (front.shape[0], math.prod(front.shape[1:]), front.ndim, ord(front.dtype.kind), front.dtype.itemsize)
+
+
+def _check_layouts(layouts: list[list[Layout]]) -> None:
+    """Every replica's values must match replica 0's but for their lengths along the gather axis."""
+    first = [layout[1:] for layout in layouts[0]]
+    for replica_id, values in enumerate(layouts[1:], start=1):
+        mine = [layout[1:] for layout in values]
+        if mine == first:
+            continue  # the common case, checked in bulk
+        k = next(k for k, (a, b) in enumerate(zip(mine, first)) if a != b)
+        raise CollectiveMismatchError(f"all_gather needs the same dtype and the same shape off the gather axis on "
+                                      f"every replica. Received: replica {replica_id}, value {k}, "
+                                      f"{_described(mine[k])} vs {_described(first[k])}.")
+
+
+def _described(layout: tuple) -> str:
+    size, rank, kind, itemsize = layout
+    return f"rank {rank} with {size} elements per row of dtype {chr(kind)}{itemsize}"
 
 
 def _padded(backend: Backend, front: Any, longest: int, device: str) -> Any:

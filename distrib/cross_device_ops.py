@@ -68,14 +68,14 @@ class CrossDeviceOps:
         if not per_replica[0]:
             return [[] for _ in devices]
         return batch_all_gather(backend, per_replica, devices, axis,
-                                lambda lengths: self._gathered_lengths(backend, lengths, devices),
+                                lambda layouts: self._gathered_layouts(backend, layouts, devices),
                                 None if options is None else options.timeout)
 
-    def _gathered_lengths(self, backend: Backend, lengths: list[list[int]], devices: Sequence[str]
-                          ) -> list[list[int]]:
-        """`lengths[r][v]` (value v's length along the gather axis on local replica r) of every replica taking
-        part (here: the local ones)."""
-        return lengths
+    def _gathered_layouts(self, backend: Backend, layouts: list[list[tuple]], devices: Sequence[str]
+                          ) -> list[list[tuple]]:
+        """`layouts[r][v]` (value v's length along the gather axis, shape and dtype on local replica r, as ints) of
+        every replica taking part (here: the local ones)."""
+        return layouts
 
 
 def _reduce_on(backend: Backend, op: ReduceOp, components: Sequence[Any], target: str,
@@ -229,11 +229,12 @@ class CollectiveAllReduce(NcclAllReduce):
                                     CommunicationOptions())
         return [backend.to_host(total) for total in backend.execute(plan, per_replica, list(devices))[0]]
 
-    def _gathered_lengths(self, backend, lengths, devices):
-        # every value's length in one exchange: an int64 vector per replica
-        parts = [backend.to_device(np.array(mine, np.int64), d) for mine, d in zip(lengths, devices)]
+    def _gathered_layouts(self, backend, layouts, devices):
+        # every value's layout in one exchange: an int64 array per replica
+        parts = [backend.to_device(np.array(mine, np.int64).reshape(-1), d) for mine, d in zip(layouts, devices)]
         gathered = backend.to_host(backend.all_gather(parts, list(devices))[0])
-        return gathered.reshape(-1, len(lengths[0])).tolist()
+        return [[tuple(layout) for layout in replica]
+                for replica in gathered.reshape(-1, len(layouts[0]), len(layouts[0][0])).tolist()]
 
 
 def default_cross_device_ops(backend: Backend) -> CrossDeviceOps:

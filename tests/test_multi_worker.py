@@ -89,6 +89,9 @@ def test_nested_values_gather_and_reduce_as_one_process_with_four_replicas(job):
     assert report["nested_gather"] == as_json(strategy.gather(nested, axis=0))
     assert report["nested_gather_of_a_scalar"].startswith("Strategy.gather needs values of rank >= 1 to concatenate "
                                                           "along axis 0. Received: a scalar at path ['scalar'].")
+    assert report["all_gather_across_processes_of_other_shapes"] == [
+        "all_gather needs the same dtype and the same shape off the gather axis on every replica. Received: replica 2, "
+        "value 0, rank 2 with 4 elements per row of dtype f4 vs rank 2 with 3 elements per row of dtype f4."] * 2
     numbers = {key: nested[key] for key in ("f32", "f16", "i32")}
     assert report["nested_reduce_mean_axis0"] == as_json(strategy.reduce("MEAN", numbers, axis=0))
     assert report["nested_reduce_sum_axis0"] == as_json(strategy.reduce("SUM", numbers, axis=0))

@@ -73,6 +73,11 @@ try:
         lambda ctx: np.float32(ctx.replica_id_in_sync_group))}, axis=0)
 except ValueError as exc:
     report["nested_gather_of_a_scalar"] = str(exc)
+try:  # each process's replicas agree, the processes do not: a typed error on every rank, not a broken gather
+    strategy.run(lambda: distrib.get_replica_context().all_gather(
+        [np.zeros((1, 3 if comm.rank == 0 else 4), np.float32)], axis=0))
+except distrib.errors.CollectiveMismatchError as exc:
+    report["all_gather_across_processes_of_other_shapes"] = everywhere([str(exc)])
 numbers = {key: nested[key] for key in ("f32", "f16", "i32")}  # bool cannot be summed
 report["nested_reduce_mean_axis0"] = strategy.reduce("MEAN", numbers, axis=0)
 report["nested_reduce_sum_axis0"] = strategy.reduce("SUM", numbers, axis=0)
