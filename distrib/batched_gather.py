@@ -115,10 +115,14 @@ def _cut_out(backend: Backend, flat: Any, pack_size: int, member: planner.Member
     """Replica r's first `lengths[r]` rows of `member` in each replica's pack of `flat`, concatenated."""
     block = member.shape
     packs = flat.reshape(len(lengths), pack_size)
-    pieces = [packs[r, member.offset:member.offset + member.size].reshape(block)[:n] for r, n in enumerate(lengths)]
+    columns = packs[:, member.offset:member.offset + member.size]  # replica r's padded block: row r
     joined = backend.empty((sum(lengths),) + block[1:], flat.dtype, device)
     with backend.device_scope(device):
-        backend.xp.concatenate(pieces, axis=0, out=joined)
+        if all(n == block[0] for n in lengths):  # no padding anywhere: one strided copy of every replica's block
+            backend.xp.copyto(joined.reshape(len(lengths), member.size), columns)
+        else:
+            backend.xp.concatenate([column.reshape(block)[:n] for column, n in zip(columns, lengths)], axis=0,
+                                   out=joined)
     return joined
 
 

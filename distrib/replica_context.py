@@ -245,12 +245,18 @@ def check_same_layout(api: str, payloads: list, gather_axis: int | None = None) 
         if spec != spec0:
             raise CollectiveMismatchError(structure_mismatch(f"{api} needs the same structure on every replica",
                                                               replica_id, spec0.paths(), spec.paths(), spec0, spec))
-    if gather_axis is not None:
-        for k, path in enumerate(spec0.paths()):
-            check_gather_shapes(api, [p[1][k].shape for p in payloads], [p[1][k].dtype for p in payloads],
-                                 gather_axis, path)
-        return
     shapes0, dtypes0 = [a.shape for a in arrays0], [a.dtype for a in arrays0]
+    if gather_axis is not None:
+        leaves: Any = range(len(arrays0))
+        if all([a.shape for a in arrays] == shapes0 and [a.dtype for a in arrays] == dtypes0
+               for _, arrays in payloads[1:]):  # the common case, in bulk: what is left is each rank's axis
+            ranks: set[int] = set()
+            leaves = [k for k, shape in enumerate(shapes0) if len(shape) not in ranks and not ranks.add(len(shape))]
+        paths = spec0.paths()
+        for k in leaves:
+            check_gather_shapes(api, [p[1][k].shape for p in payloads], [p[1][k].dtype for p in payloads],
+                                 gather_axis, paths[k])
+        return
     for replica_id, (_, arrays) in enumerate(payloads[1:], start=1):
         if [a.shape for a in arrays] == shapes0 and [a.dtype for a in arrays] == dtypes0:
             continue  # the common case, checked in bulk
