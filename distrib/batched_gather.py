@@ -46,8 +46,7 @@ def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], dev
     packing = planner.one_buffer_per_dtype(tuple((block, front.dtype) for block, front in zip(blocks, fronts[0])))
     results: list[list[Any]] = [[None] * len(blocks) for _ in devices]
     for buffer in packing.buffers:
-        flats = [backend.pack([_padded(backend, values[m.index], longest[m.index], device) for m in buffer.members],
-                              buffer, device) for values, device in zip(fronts, devices)]
+        flats = [_pack_padded(backend, values, buffer, longest, device) for values, device in zip(fronts, devices)]
         gathered = backend.all_gather(flats, devices, timeout=timeout)
         shared = _one_host_buffer(backend, gathered)
         for member in buffer.members:
@@ -78,6 +77,21 @@ def _check_layouts(layouts: list[list[Layout]]) -> None:
 def _described(layout: tuple) -> str:
     size, rank, kind, itemsize = layout
     return f"rank {rank} with {size} elements per row of dtype {chr(kind)}{itemsize}"
+
+
+def _pack_padded(backend: Backend, fronts: Sequence[Any], buffer: planner.Buffer, longest: list[int],
+                 device: str) -> Any:
+    """One replica's values of `buffer` packed, each with zero rows appended up to the longest replica's length."""
+    members = buffer.members
+    if backend.xp is np and any(fronts[m.index].shape[0] != longest[m.index] for m in members):
+        # host memory: written into place, without a padded copy of each value that packing then copies again
+        flat = backend.empty((buffer.size,), fronts[members[0].index].dtype, device)
+        for m in members:
+            front = fronts[m.index]
+            flat[m.offset:m.offset + front.size].reshape(front.shape)[...] = front
+            flat[m.offset + front.size:m.offset + m.size] = 0
+        return flat
+    return backend.pack([_padded(backend, fronts[m.index], longest[m.index], device) for m in members], buffer, device)
 
 
 def _padded(backend: Backend, front: Any, longest: int, device: str) -> Any:
