@@ -73,3 +73,27 @@ def test_nccl_errors_become_collective_errors_naming_the_operation(backend):
         comms.run("all_reduce", [0], [backend._stream(0)], invalid_datatype, timeout=10)
     assert info.value.status is not None and info.value.__cause__ is not None
     assert not comms._groups  # aborted and forgotten
+
+
+def test_two_threads_all_reducing_over_the_same_gpus_in_opposite_orders_both_finish(backend):
+    if len(backend.gpus) < 2:
+        pytest.skip("needs 2 GPUs: device tuples (0, 1) and (1, 0) sharing both streams")
+    import threading
+
+    errors = []
+
+    def loop(devices):
+        try:
+            flats = [backend.to_device(np.full(1 << 16, 1.0, np.float32), d) for d in devices]
+            for _ in range(200):
+                flats = backend.all_reduce(flats, [(0, 1 << 16)], devices, True, timeout=30)
+            backend.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(devices,)) for devices in (["GPU:0", "GPU:1"], ["GPU:1", "GPU:0"])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads) and not errors, errors

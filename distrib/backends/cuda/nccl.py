@@ -33,18 +33,18 @@ def version() -> int:
 class Communicators:
     """One communicator per device for each tuple of distinct CUDA ordinals, made with `initAll` on first use.
 
-    Group calls on one tuple are serialised: a communicator must never be used by two threads at once.
+    Every group call of the process is serialised, whatever its tuple: a communicator must never be used by two
+    threads at once, and two tuples that share a GPU must queue their kernels on its stream in the same order as
+    on their other shared GPUs ((0, 1) and (1, 0) launched by two threads at once could otherwise queue in
+    opposite orders on the two streams and wait for each other forever). Launches return at once, so the lock is
+    held for microseconds.
     """
 
     def __init__(self):
         self._groups: dict[tuple[int, ...], list[Any]] = {}
-        self._locks: dict[tuple[int, ...], threading.Lock] = {}
+        self._launch_lock = threading.Lock()
         self._lock = threading.Lock()
         self.watchdog = Watchdog()
-
-    def _lock_for(self, ordinals: tuple[int, ...]) -> threading.Lock:
-        with self._lock:
-            return self._locks.setdefault(ordinals, threading.Lock())
 
     def _communicators(self, ordinals: tuple[int, ...], operation: str) -> list[Any]:
         comms = self._groups.get(ordinals)
@@ -77,7 +77,7 @@ class Communicators:
         self.watchdog.check()
         ordinals = tuple(ordinals)
         sequence = self._announce(operation)
-        with self._lock_for(ordinals):
+        with self._launch_lock:
             comms = self._communicators(ordinals, operation)
             try:
                 nccl.groupStart()
