@@ -153,16 +153,18 @@ class StrategyExtended(abc.ABC):
         options = self._merged_options(options)
         backend, devices = self._backend, self._devices
         results: list[Any] = [None] * len(pairs)
-        all_reduce_ids, all_reduce_values = [], []
-        host_ids, host_values = [], []  # reduced onto the host: one batched reduction too
+        # (ids, per-value arrays) reduced in one batch: onto the values' own devices, and onto the host
+        all_reduce_batch: tuple[list, list] = ([], [])
+        host_batch: tuple[list, list] = ([], [])
         host_arrays = backend.xp is np  # emulated devices: an array is on every device already
         for k, (value, destinations) in enumerate(pairs):
-            if host_arrays and type(value) is PerReplica and (destinations == devices or destinations == (HOST,)) \
-                    and len(value._values) == len(devices) and all(type(c) is np.ndarray for c in value._values):
+            batch = all_reduce_batch if destinations == devices else host_batch if destinations == (HOST,) else None
+            if host_arrays and batch is not None and type(value) is PerReplica and \
+                    len(value._values) == len(devices) and all(type(c) is np.ndarray for c in value._values):
                 arrays = value._values
                 _check_reduce_inputs(arrays, k)
-                (all_reduce_ids if destinations == devices else host_ids).append(k)
-                (all_reduce_values if destinations == devices else host_values).append(arrays)
+                batch[0].append(k)
+                batch[1].append(arrays)
                 continue
             components = self._local_components(value)
             mirrored = isinstance(value, (Mirrored, MirroredVariable))  # TensorFlow's is_mirrored
@@ -179,24 +181,22 @@ class StrategyExtended(abc.ABC):
             else:
                 arrays = [backend.to_device(_component_array(c), d) for c, d in zip(components, devices)]
                 _check_reduce_inputs(arrays, k)
-                if destinations == devices:
-                    all_reduce_ids.append(k)
-                    all_reduce_values.append(arrays)
-                elif destinations == (HOST,):
-                    host_ids.append(k)
-                    host_values.append(arrays)
+                if batch is not None:
+                    batch[0].append(k)
+                    batch[1].append(arrays)
                 else:
                     results[k] = Mirrored(self._cross_device_ops.reduce_to(backend, op, arrays, devices,
                                                                            destinations))
-        if all_reduce_ids:
-            per_replica = [list(values) for values in zip(*all_reduce_values)]
+        ids, values = all_reduce_batch
+        if ids:
+            per_replica = [list(column) for column in zip(*values)]
             reduced = self._cross_device_ops.batch_all_reduce(backend, op, per_replica, devices, options)
-            for k, arrays in zip(all_reduce_ids, zip(*reduced)):
+            for k, arrays in zip(ids, zip(*reduced)):
                 results[k] = Mirrored(arrays)
-        if host_ids:
-            per_replica = [list(values) for values in zip(*host_values)]
-            for k, array in zip(host_ids, self._cross_device_ops.batch_reduce_to_host(backend, op, per_replica,
-                                                                                        devices)):
+        ids, values = host_batch
+        if ids:
+            per_replica = [list(column) for column in zip(*values)]
+            for k, array in zip(ids, self._cross_device_ops.batch_reduce_to_host(backend, op, per_replica, devices)):
                 results[k] = Mirrored([array])
         return results
 
