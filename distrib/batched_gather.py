@@ -118,21 +118,23 @@ def _joined(backend: Backend, gathered: Sequence[Any], shared: bool, buffer: pla
     if len(buffer.members) == 1 and not ragged:
         return [flat.reshape((len(lengths) * block[0],) + block[1:]) for flat in gathered]
     if shared:
-        joined = _cut_out(backend, gathered[0], buffer.size, member, lengths, devices[0])
+        joined = _cut_out(backend, gathered[0], buffer.size, member, lengths, ragged, devices[0])
         joined.flags.writeable = False
         return [joined] + [joined.view() for _ in devices[1:]]
-    return [_cut_out(backend, flat, buffer.size, member, lengths, device) for flat, device in zip(gathered, devices)]
+    return [_cut_out(backend, flat, buffer.size, member, lengths, ragged, device)
+            for flat, device in zip(gathered, devices)]
 
 
 def _cut_out(backend: Backend, flat: Any, pack_size: int, member: planner.Member, lengths: list[int],
-             device: str) -> Any:
-    """Replica r's first `lengths[r]` rows of `member` in each replica's pack of `flat`, concatenated."""
+             ragged: bool, device: str) -> Any:
+    """Replica r's first `lengths[r]` rows of `member` in each replica's pack of `flat`, concatenated (`ragged`:
+    some replica's value is shorter than the member's padded block)."""
     block = member.shape
     packs = flat.reshape(len(lengths), pack_size)
     columns = packs[:, member.offset:member.offset + member.size]  # replica r's padded block: row r
     joined = backend.empty((sum(lengths),) + block[1:], flat.dtype, device)
     with backend.device_scope(device):
-        if all(n == block[0] for n in lengths):  # no padding anywhere: one strided copy of every replica's block
+        if not ragged:  # no padding anywhere: one strided copy of every replica's block
             backend.xp.copyto(joined.reshape(len(lengths), member.size), columns)
         else:
             backend.xp.concatenate([column.reshape(block)[:n] for column, n in zip(columns, lengths)], axis=0,

@@ -250,8 +250,10 @@ def check_same_layout(api: str, payloads: list, gather_axis: int | None = None) 
         leaves: Any = range(len(arrays0))
         if all([a.shape for a in arrays] == shapes0 and [a.dtype for a in arrays] == dtypes0
                for _, arrays in payloads[1:]):  # the common case, in bulk: what is left is each rank's axis
-            ranks: set[int] = set()
-            leaves = [k for k, shape in enumerate(shapes0) if len(shape) not in ranks and not ranks.add(len(shape))]
+            first_of_rank: dict[int, int] = {}
+            for k, shape in enumerate(shapes0):
+                first_of_rank.setdefault(len(shape), k)
+            leaves = first_of_rank.values()  # in leaf order, so the first leaf that breaks the rule is named
         paths = spec0.paths()
         for k in leaves:
             check_gather_shapes(api, [p[1][k].shape for p in payloads], [p[1][k].dtype for p in payloads],
