@@ -4,7 +4,8 @@ Bytes move through mpi4py's buffer interface (`Allreduce`, `Allgatherv`, `Bcast`
 where MPI allows), never pickled. The same plans and packing as one process run here: each buffer is packed per
 replica, summed over this process's replicas in replica order, and every chunk is one MPI call, made once every
 rank has reached the collective (see process_group.py). Float results equal one process's up to rounding (the
-sum is grouped by process); integer results are exact. float16 and bfloat16, which MPI has no type for, travel as float32.
+sum is grouped by process); integer results are exact. float16 and bfloat16, which MPI has no type for, travel
+as float32.
 """
 
 from __future__ import annotations
