@@ -24,19 +24,17 @@ struct Exact {
     T x;
 };
 
-typedef Exact<float> F;
-typedef Exact<double> D;
-
-__device__ __forceinline__ F operator+(F a, F b) { return {add_rn(a.x, b.x)}; }
-__device__ __forceinline__ F operator-(F a, F b) { return {sub_rn(a.x, b.x)}; }
-__device__ __forceinline__ F operator*(F a, F b) { return {mul_rn(a.x, b.x)}; }
-__device__ __forceinline__ F operator/(F a, F b) { return {div_rn(a.x, b.x)}; }
-__device__ __forceinline__ F sqrt(F a) { return {sqrt_rn(a.x)}; }
-__device__ __forceinline__ D operator+(D a, D b) { return {__dadd_rn(a.x, b.x)}; }
-__device__ __forceinline__ D operator-(D a, D b) { return {__dsub_rn(a.x, b.x)}; }
-__device__ __forceinline__ D operator*(D a, D b) { return {__dmul_rn(a.x, b.x)}; }
-__device__ __forceinline__ D operator/(D a, D b) { return {__ddiv_rn(a.x, b.x)}; }
-__device__ __forceinline__ D sqrt(D a) { return {__dsqrt_rn(a.x)}; }
+// ieee.cuh's operations, overloaded for float and double
+template <typename T>
+__device__ __forceinline__ Exact<T> operator+(Exact<T> a, Exact<T> b) { return {add_rn(a.x, b.x)}; }
+template <typename T>
+__device__ __forceinline__ Exact<T> operator-(Exact<T> a, Exact<T> b) { return {sub_rn(a.x, b.x)}; }
+template <typename T>
+__device__ __forceinline__ Exact<T> operator*(Exact<T> a, Exact<T> b) { return {mul_rn(a.x, b.x)}; }
+template <typename T>
+__device__ __forceinline__ Exact<T> operator/(Exact<T> a, Exact<T> b) { return {div_rn(a.x, b.x)}; }
+template <typename T>
+__device__ __forceinline__ Exact<T> sqrt(Exact<T> a) { return {sqrt_rn(a.x)}; }
 
 // Parameters in their storage type (float16 as its 16-bit word) to and from the math type.
 __device__ __forceinline__ float widen(unsigned short h) { return half_to_float(h); }
