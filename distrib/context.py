@@ -33,6 +33,19 @@ def _stack() -> list[Frame]:
     return stack
 
 
+def swap_stack(stack: list[Frame]) -> list[Frame]:
+    """Makes `stack` this thread's stack and returns the one it replaces: each cooperative replica (a greenlet on
+    the calling thread) keeps a stack of its own, swapped in whenever it is switched to."""
+    previous = _stack()
+    _local.stack = stack
+    return previous
+
+
+def new_stack() -> list[Frame]:
+    """A stack as a new thread starts with: the default frame only."""
+    return list(_default)
+
+
 def current() -> Frame:
     """The innermost frame of this thread."""
     return _stack()[-1]

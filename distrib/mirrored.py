@@ -29,11 +29,12 @@ from distrib.devices import canonical_name, parse_device
 from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
 from distrib.extended import StrategyExtended
 from distrib.interrupts import deferred_interrupts
-from distrib.options import CommunicationOptions, RunOptions, default_timeout
+from distrib.options import CommunicationOptions, RunOptions, default_timeout, replica_execution
 from distrib.replica_context import ReplicaContext
 from distrib.replica_team import IdleThreadsTeam, ReplicaTeam
-from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, executing_worker,
-                                     retire_all, wake_all)
+from distrib.replica_greenlets import thread_replicas
+from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, count_mismatch,
+                                     executing_worker, retire_all, wake_all)
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
 from distrib.values import regroup, select_replicas
@@ -46,8 +47,12 @@ class MirroredExtended(StrategyExtended):
     """StrategyExtended of MirroredStrategy: replica threads, merge_call rendezvous, timeouts."""
 
     def __init__(self, container_strategy: Strategy, backend: Backend, devices: Sequence[str],
-                 cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions):
+                 cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions,
+                 execution: str | None = None):
         super().__init__(container_strategy, backend, devices, cross_device_ops, communication_options)
+        self._cooperative = _cooperative(backend, devices, execution)
+        self._greenlets = threading.local()  # .replicas: each calling thread's ReplicaGreenlets
+        self._cooperative_run: Any = None  # the ReplicaGreenlets of the cooperative run in progress
         self._threads: list[ReplicaThread] = []
         self._run_lock = threading.Lock()
         self._running_thread: int | None = None
@@ -84,6 +89,9 @@ class MirroredExtended(StrategyExtended):
         deadline = None if run_timeout is None else started + run_timeout
         inline = deadline is None and len(self._devices) == 1  # nothing to overlap, no deadline to keep
         if self._running_thread == threading.get_ident():
+            if self._cooperative_run is not None and self._cooperative_run.in_replica():
+                raise ContextError("Strategy.run cannot be called inside a replica function of the same "
+                                   "strategy's run: call the function directly, or run it after this run returns.")
             # run from a merge_fn: the replica threads wait in the merge, so this run gets threads of its own
             # (TensorFlow starts threads for every run, so nesting works there too)
             if inline:
@@ -115,6 +123,8 @@ class MirroredExtended(StrategyExtended):
             with timeline.span("run", "run"):
                 if inline:
                     return self._run_inline(fn, args, kwargs)
+                if self._cooperative and deadline is None:
+                    return self._run_cooperative(fn, args, kwargs)
                 return self._run(fn, args, kwargs, self._ensure_threads(), deadline)
         finally:
             if acquired:
@@ -151,7 +161,7 @@ class MirroredExtended(StrategyExtended):
                 if all(s == DONE for s in run.status):
                     break
                 if any(s == DONE for s in run.status):
-                    raise MergeCallMismatchError(_count_mismatch(run))
+                    raise MergeCallMismatchError(count_mismatch(run))
                 merged = self._merge(run, threads)
                 with deferred_interrupts():  # every waiting replica resumes, or none does
                     run.merge_results = merged
@@ -166,6 +176,28 @@ class MirroredExtended(StrategyExtended):
         finally:
             for worker in threads:
                 worker.run = None
+            run.drop_references()
+
+    def _run_cooperative(self, fn, args, kwargs):
+        """Every replica a greenlet on the calling thread (`replica_execution="cooperative"`); the replica threads
+        only share the merges' sums, as they do in a threaded run's merge."""
+        count = len(self._devices)
+        strategy = self._container_strategy
+        first = self._first_local_replica
+        run = Run(strategy, tuple(ReplicaContext(strategy, first + i, first) for i in range(count)), fn,
+                  select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout, None)
+        replicas = thread_replicas(self._greenlets, count)
+        threads = self._ensure_threads()
+        self._cooperative_run = replicas
+        try:
+            return regroup(replicas.execute(run, lambda run: self._merge(run, threads)))
+        except BaseException as exc:
+            if run.error is not None and exc is run.error[1] and run.error[0] is not None and \
+                    not isinstance(exc, KeyboardInterrupt):
+                _name_replica(exc, run.error[0], count)
+            raise
+        finally:
+            self._cooperative_run = None
             run.drop_references()
 
     def _run_inline(self, fn, args, kwargs):
@@ -289,6 +321,9 @@ class MirroredExtended(StrategyExtended):
         if inline is not None and self._running_thread == threading.get_ident() and \
                 context.current().replica_context is inline:
             return self._merge_inline(kind, merge, payload)
+        cooperative = self._cooperative_run
+        if cooperative is not None and cooperative.in_replica(replica_id):
+            return cooperative.rendezvous(replica_id, (kind, merge, payload, options.timeout))
         worker = executing_worker()
         run = None if worker is None else worker.current
         if run is None or run.strategy is not self._container_strategy or worker.replica_id != replica_id:
@@ -296,6 +331,21 @@ class MirroredExtended(StrategyExtended):
         if run.stopped or worker.retired:
             raise RequestedStop()
         return worker.rendezvous(run, (kind, merge, payload, options.timeout))
+
+
+def _cooperative(backend: Backend, devices: Sequence[str], execution: str | None) -> bool:
+    """Whether the replicas run as greenlets: asked for (else $DISTRIB_REPLICA_EXECUTION), on the CPU emulator.
+
+    GPU replicas keep their threads (each holds its device current); the environment's choice applies to the
+    emulator only, so one setting serves a job's CPU tests and its GPU runs alike.
+    """
+    chosen = replica_execution(execution)
+    if chosen == "cooperative" and backend.name not in ("cpu", "mpi"):
+        if execution is None:
+            return False
+        raise ValueError(f"replica_execution='cooperative' needs the CPU emulator: GPU replicas run on threads, "
+                         f"each with its device current. Received: devices {list(devices)}.")
+    return chosen == "cooperative"
 
 
 def _patience(run: Run, exc: BaseException) -> float:
@@ -314,14 +364,6 @@ def _patience(run: Run, exc: BaseException) -> float:
 
 def _stacks(threads: list[ReplicaThread], replicas: Sequence[int]) -> str:
     return "".join(f"Replica {i} is at:\n{threads[i].stack()}" for i in replicas)
-
-
-def _count_mismatch(run: Run) -> str:
-    counts = ", ".join(f"replica {i}: {c}{'+' if s == WAITING else ''}"
-                       for i, (c, s) in enumerate(zip(run.merge_counts, run.status)))
-    return (f"Replicas made different numbers of merge_call calls (each all_reduce, all_gather and variable "
-            f"update is one), so some would wait forever. Calls so far: {counts} ('+' = waiting for more). Make "
-            f"every replica call the same collectives, e.g. avoid all_reduce under a replica-dependent `if`.")
 
 
 _NOTE = "distrib: raised in "
@@ -358,6 +400,11 @@ class MirroredStrategy(Strategy):
         CPU devices.
       cross_device_ops: a `NcclAllReduce` (default), `HierarchicalCopyAllReduce` or `ReductionToOneDevice`.
       communication_options: default `CommunicationOptions` for every collective.
+      replica_execution: "threads" (one thread per replica, the default) or "cooperative" (emulated CPU
+        replicas only: each a greenlet on the calling thread, run one after another up to each collective, with
+        no thread handoff per step and no concurrency between replicas); None reads
+        `$DISTRIB_REPLICA_EXECUTION`. A cooperative replica that never comes back stalls its run, and a run
+        with a deadline (`RunOptions(timeout_seconds=...)`) uses the threads.
 
     Example:
       >>> import distrib, numpy as np
@@ -370,7 +417,7 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices: Sequence[str] | None = None, cross_device_ops: CrossDeviceOps | None = None,
-                 communication_options: CommunicationOptions | None = None):
+                 communication_options: CommunicationOptions | None = None, *, replica_execution: str | None = None):
         backend, devices = _resolve_devices(devices)
         if cross_device_ops is None:
             cross_device_ops = default_cross_device_ops(backend)
@@ -378,7 +425,8 @@ class MirroredStrategy(Strategy):
             raise TypeError(f"cross_device_ops must be a CrossDeviceOps such as distrib.NcclAllReduce(). Received: "
                             f"{type(cross_device_ops).__name__}.")
         communication_options = checked_communication_options(communication_options)
-        super().__init__(MirroredExtended(self, backend, devices, cross_device_ops, communication_options))
+        super().__init__(MirroredExtended(self, backend, devices, cross_device_ops, communication_options,
+                                          replica_execution))
 
 
 def checked_communication_options(options: CommunicationOptions | None) -> CommunicationOptions:

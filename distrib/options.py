@@ -154,6 +154,23 @@ def default_timeout() -> float:
     return value
 
 
+REPLICA_EXECUTIONS = ("threads", "cooperative")
+
+
+def replica_execution(value: str | None) -> str:
+    """How a strategy's replicas run: `value`, else $DISTRIB_REPLICA_EXECUTION, else "threads".
+
+    Raises:
+      ValueError: for anything but "threads" or "cooperative" (None takes the environment's).
+    """
+    where = "replica_execution"
+    if value is None:
+        value, where = os.environ.get("DISTRIB_REPLICA_EXECUTION") or "threads", "DISTRIB_REPLICA_EXECUTION"
+    if value not in REPLICA_EXECUTIONS:
+        raise ValueError(f"{where} must be 'threads' or 'cooperative'. Received: {value!r}.")
+    return value
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """Options for `Strategy.run`: TensorFlow's fields (they only affect TPUs) and a deadline for the run.

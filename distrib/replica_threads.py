@@ -268,3 +268,12 @@ def retire_all(threads: list[ReplicaThread]) -> None:
     for worker in threads:
         worker.retire()
     threads.clear()
+
+
+def count_mismatch(run: Run) -> str:
+    """MergeCallMismatchError's message: how many collectives each replica of `run` made."""
+    counts = ", ".join(f"replica {i}: {c}{'+' if s == WAITING else ''}"
+                       for i, (c, s) in enumerate(zip(run.merge_counts, run.status)))
+    return (f"Replicas made different numbers of merge_call calls (each all_reduce, all_gather and variable "
+            f"update is one), so some would wait forever. Calls so far: {counts} ('+' = waiting for more). Make "
+            f"every replica call the same collectives, e.g. avoid all_reduce under a replica-dependent `if`.")

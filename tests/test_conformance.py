@@ -111,6 +111,13 @@ def test_conformance(path):
     check_case(path)
 
 
+@pytest.mark.parametrize("path", [_marked(p) for p in CASES])
+def test_conformance_with_cooperative_replicas(path, monkeypatch):
+    """The same programs, every replica a greenlet on the calling thread: the same results and errors."""
+    monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "cooperative")
+    check_case(path)
+
+
 @pytest.mark.skipif(not SHARED_CASES, reason=f"no shared conformance cases at {SHARED_CONFORMANCE} (outside the "
                                              f"repository; the project's own cases run in test_conformance)")
 @pytest.mark.parametrize("path", SHARED_CASES or [None], ids=[p.stem for p in SHARED_CASES] or ["absent"])

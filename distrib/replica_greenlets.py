@@ -1,0 +1,154 @@
+"""Cooperative replicas: each replica function a greenlet on the thread that calls `Strategy.run`, switched out at
+its collectives, so that a step costs no thread handoff at all.
+
+The replicas of a phase run one after another in replica order, each until it reaches a collective or returns;
+then the calling thread runs the merge, exactly as with replica threads, and resumes them in order. Nothing runs
+beside a replica, so nothing can notice one that never comes back: runs with a deadline take the threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from distrib import context, timeline
+from distrib.errors import BackendUnavailableError, MergeCallMismatchError
+from distrib.interrupts import deferred_interrupts
+from distrib.replica_threads import DONE, FAILED, WAITING, RequestedStop, Run, count_mismatch
+
+_STOPPED = "stopped"
+
+
+def _greenlet_module() -> Any:
+    try:
+        import greenlet
+    except ImportError as exc:
+        raise BackendUnavailableError("replica_execution='cooperative' runs the replicas as greenlets, but the "
+                                      "greenlet package is not installed: pip install 'greenlet>=3.0'.") from exc
+    return greenlet
+
+
+class ReplicaGreenlets:
+    """One greenlet per replica, bound to the thread that made them and reused from run to run.
+
+    Args:
+      count: the number of replicas.
+
+    Example:
+      >>> replicas = ReplicaGreenlets(2)
+      >>> replicas
+      <ReplicaGreenlets replicas=2 idle>
+    """
+
+    def __init__(self, count: int):
+        self._module = _greenlet_module()
+        self._greenlets = [self._module.greenlet(self._main) for _ in range(count)]
+        self._stacks = [context.new_stack() for _ in range(count)]  # each replica's context stack
+        self._scheduler: Any = None  # the greenlet running `execute`, switched back to at each collective
+        self._reply: tuple[str, Any] | None = None  # what the replica switching back reports
+        self.run: Run | None = None
+
+    def __repr__(self) -> str:
+        return f"<ReplicaGreenlets replicas={len(self._greenlets)} {'running' if self.run else 'idle'}>"
+
+    def in_replica(self, replica_id: int | None = None) -> bool:
+        """Whether the caller is replica `replica_id`'s greenlet (any of them for None) inside a run."""
+        if self.run is None:
+            return False
+        current = self._module.getcurrent()
+        if replica_id is None:
+            return any(current is g for g in self._greenlets)
+        return 0 <= replica_id < len(self._greenlets) and current is self._greenlets[replica_id]
+
+    def execute(self, run: Run, merge: Callable[[Run], list]) -> list:
+        """Runs every replica of `run` to its end, with `merge(run)` at each collective; the results per replica.
+
+        Raises the first error in replica order (the replicas after it do not start that phase; those waiting
+        at the collective are unwound first), and MergeCallMismatchError when some replicas returned while
+        others wait at a collective.
+        """
+        if self.run is not None:
+            raise RuntimeError("ReplicaGreenlets.execute cannot nest: its greenlets are inside a run.")
+        self._scheduler, self.run = self._module.getcurrent(), run
+        try:
+            self._phase(run, [(run, i) for i in range(len(self._greenlets))])
+            while not all(status == DONE for status in run.status):
+                if DONE in run.status:
+                    raise MergeCallMismatchError(count_mismatch(run))
+                self._phase(run, merge(run))
+            return run.results
+        except BaseException:
+            with deferred_interrupts():  # every waiting replica unwinds, even under a second Ctrl-C
+                self._stop(run)
+            raise
+        finally:
+            self._scheduler = self.run = None
+
+    def rendezvous(self, replica_id: int, request: tuple) -> Any:
+        """Called by a replica at a collective: hands control back until the merge, returns this replica's share."""
+        run = self.run
+        if run.stopped:
+            raise RequestedStop()
+        run.requests[replica_id] = request
+        run.merge_counts[replica_id] += 1
+        with timeline.span(request[0], "merge_call"):
+            self._reply = (WAITING, None)
+            return self._scheduler.switch()
+
+    def _phase(self, run: Run, messages: list) -> None:
+        """Switches to each replica in turn with its message (its job, or its share of the merge)."""
+        for i, message in enumerate(messages):
+            status, value = self._switch(i, message)
+            run.status[i] = status
+            if status == DONE:
+                run.results[i] = value
+            elif status == FAILED:
+                run.error = (i, value)
+                raise value
+
+    def _stop(self, run: Run) -> None:
+        """Unwinds the replicas waiting at a collective (their `finally` blocks run); they report back stopped."""
+        run.stopped = True
+        for i, status in enumerate(run.status):
+            if status == WAITING:
+                run.status[i] = self._switch(i, None, RequestedStop)[0]
+
+    def _switch(self, i: int, message: Any, throw: type[BaseException] | None = None) -> tuple[str, Any]:
+        """Runs replica `i` with its own context stack until it switches back; what it reported."""
+        replica = self._greenlets[i]
+        if replica.dead:  # killed from outside (a GreenletExit); a replica never ends on its own
+            replica = self._greenlets[i] = self._module.greenlet(self._main)
+        own = context.swap_stack(self._stacks[i])
+        try:
+            if throw is None:
+                replica.switch(message)
+            else:
+                replica.throw(throw)
+        finally:
+            context.swap_stack(own)
+        reply, self._reply = self._reply, None
+        return reply
+
+    def _main(self, job: tuple[Run, int]) -> None:
+        """A replica greenlet's life: run its function for each run it is switched to with, report, wait."""
+        while True:
+            run, i = job
+            try:
+                with context.frame(run.strategy, run.contexts[i]), timeline.span("run", "run"):
+                    self._reply = (DONE, run.fn(*run.args[i], **run.kwargs[i]))
+            except RequestedStop:
+                self._reply = (_STOPPED, None)
+            except self._module.GreenletExit:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it from run
+                self._reply = (FAILED, exc)
+            run = job = None  # keep nothing of a finished run while waiting for the next
+            job = self._scheduler.switch()
+
+
+def thread_replicas(local: threading.local, count: int) -> ReplicaGreenlets:
+    """The calling thread's ReplicaGreenlets in `local` (a strategy's), made on first use."""
+    replicas = getattr(local, "replicas", None)
+    if replicas is None:
+        replicas = local.replicas = ReplicaGreenlets(count)
+    return replicas
