@@ -25,6 +25,7 @@ from nested import NESTED_LEAVES, NESTED_WORKLOADS, measure_nested  # noqa: E402
 
 TARGET_REPLICAS = 4
 SCALING_WORKLOAD = "allreduce_1m"
+EXECUTIONS = ("threads", "cooperative")  # MirroredStrategy(replica_execution=...): the default first
 
 
 def targets_for(cores: int) -> list[tuple[str, str, float]]:
@@ -33,6 +34,10 @@ def targets_for(cores: int) -> list[tuple[str, str, float]]:
     return [("allreduce_1m", "ratio", 0.6 if cores >= 4 else 1.0), ("allreduce_1m", "x_eager", 5.0),
             ("allreduce_1m", "x_function", 2.0), ("batch_200x1000", "ratio", 3.0),
             ("batch_200x1000", "x_function", 20.0), ("empty_merge_call", "us", 100.0)]
+
+
+def distrib_us(row: dict, execution: str) -> float:
+    return row["distrib_us" if execution == "threads" else "cooperative_us"]
 
 
 def all_reduce_step(x):
@@ -62,8 +67,21 @@ def check_sums(strategy: distrib.MirroredStrategy, result) -> None:
 
 
 def measure_replicas(replicas: int, repeats: int, min_seconds: float) -> dict[str, dict]:
-    """distrib and both floors for every workload at one replica count, all on the same input arrays."""
-    strategy = distrib.MirroredStrategy([f"CPU:{i}" for i in range(replicas)])
+    """Both replica executions and both floors for every workload at one replica count, on the same inputs:
+    {workload: {"distrib_us", "ratio" (threads), "cooperative_us", "cooperative_ratio", "floor_us", ...}}."""
+    rows = measure_execution(replicas, repeats, min_seconds, "threads", floors=True)
+    cooperative = measure_execution(replicas, repeats, min_seconds, "cooperative", floors=False)
+    for name, row in rows.items():
+        row["cooperative_us"] = cooperative[name]["distrib_us"]
+        row["cooperative_ratio"] = None if row["floor_us"] is None else \
+            round(row["cooperative_us"] / row["floor_us"], 3)
+    return rows
+
+
+def measure_execution(replicas: int, repeats: int, min_seconds: float, execution: str,
+                      floors: bool) -> dict[str, dict]:
+    """distrib (and with `floors` both floors) for every workload at one replica count and execution."""
+    strategy = distrib.MirroredStrategy([f"CPU:{i}" for i in range(replicas)], replica_execution=execution)
     vector = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.full(VECTOR_ELEMENTS, ctx.replica_id_in_sync_group + 1, np.float32))
     batch = strategy.experimental_distribute_values_from_function(
@@ -91,7 +109,7 @@ def measure_replicas(replicas: int, repeats: int, min_seconds: float) -> dict[st
     for name, (fn, args, floor) in runs.items():
         row = {"distrib_us": per_step_us(partial(strategy.run, fn, args=args), repeats, min_seconds),
                "floor_us": None, "floor_copies_us": None, "ratio": None}
-        if floor is not None:
+        if floor is not None and floors:
             row["floor_us"] = per_step_us(partial(floor, False), repeats, min_seconds)
             row["floor_copies_us"] = per_step_us(partial(floor, True), repeats, min_seconds)
             row["ratio"] = round(row["distrib_us"] / row["floor_us"], 3)
@@ -112,20 +130,24 @@ def run_tf_peer(tf_python: str, repeats: int, min_seconds: float) -> dict:
 
 
 def evaluate_targets(results: dict, tf: dict, cores: int) -> list[dict]:
+    """Every target, for each replica execution."""
     at_target = results.get(TARGET_REPLICAS, {})
     targets = []
     for name, measure, limit in targets_for(cores):
-        row = at_target.get(name)
-        value = None
-        if row is not None and measure in ("ratio", "us"):
-            value = row["ratio" if measure == "ratio" else "distrib_us"]
-        elif row is not None and "note" not in tf:
-            tf_us = tf["eager_us" if measure == "x_eager" else "function_us"][name]
-            value = round(tf_us / row["distrib_us"], 2)
-        at_most = measure in ("ratio", "us")
-        passed = None if value is None else value <= limit if at_most else value >= limit
-        targets.append({"workload": name, "replicas": TARGET_REPLICAS, "cores": cores, "measure": measure,
-                        "limit": limit, "value": value, "passed": passed})
+        for execution in EXECUTIONS:
+            row = at_target.get(name)
+            value = None
+            if row is not None and measure == "ratio":
+                value = row["ratio" if execution == "threads" else "cooperative_ratio"]
+            elif row is not None and measure == "us":
+                value = distrib_us(row, execution)
+            elif row is not None and "note" not in tf:
+                tf_us = tf["eager_us" if measure == "x_eager" else "function_us"][name]
+                value = round(tf_us / distrib_us(row, execution), 2)
+            at_most = measure in ("ratio", "us")
+            passed = None if value is None else value <= limit if at_most else value >= limit
+            targets.append({"workload": name, "execution": execution, "replicas": TARGET_REPLICAS, "cores": cores,
+                            "measure": measure, "limit": limit, "value": value, "passed": passed})
     return targets
 
 
@@ -133,9 +155,11 @@ def compare_with_tf(results: dict, tf: dict) -> list[dict]:
     at_target = results.get(TARGET_REPLICAS)
     if at_target is None or "note" in tf:
         return []
-    return [{"workload": name, "mode": mode, "distrib_us": at_target[name]["distrib_us"], "tf_us": tf[key][name],
-             "distrib_faster": at_target[name]["distrib_us"] < tf[key][name]}
-            for name in WORKLOADS for mode, key in (("eager", "eager_us"), ("tf.function", "function_us"))]
+    return [{"workload": name, "execution": execution, "mode": mode,
+             "distrib_us": distrib_us(at_target[name], execution), "tf_us": tf[key][name],
+             "distrib_faster": distrib_us(at_target[name], execution) < tf[key][name]}
+            for name in WORKLOADS for execution in EXECUTIONS
+            for mode, key in (("eager", "eager_us"), ("tf.function", "function_us"))]
 
 
 def machine_info(load_at_start: float) -> dict:
@@ -195,28 +219,31 @@ def target_row(target: dict) -> list[str]:
         mode = "eager" if measure == "x_eager" else "tf.function"
         goal, measured = f">= {limit:g}x faster than TF {mode}", fmt_ratio(value)
     result = "-" if target["passed"] is None else "PASS" if target["passed"] else "FAIL"
-    return [target["workload"], str(target["cores"]), goal, measured, result]
+    return [target["workload"], target["execution"], str(target["cores"]), goal, measured, result]
 
 
 def report(results: dict, tf: dict, targets: list[dict], versus_tf: list[dict], scaling: list[dict],
            cores: int) -> None:
     tf_columns = "note" not in tf
-    header = ["workload", "replicas", "cores", "distrib µs", "floor µs", "floor+copies µs", "ratio"]
+    header = ["workload", "replicas", "cores", "threads µs", "cooperative µs", "floor µs", "floor+copies µs",
+              "ratio", "cooperative ratio"]
     header += ["TF eager µs", "TF tf.function µs"] if tf_columns else []
     rows = []
     for name in WORKLOADS:
         for replicas, by_workload in results.items():
             row = by_workload[name]
-            line = [name, str(replicas), str(cores), fmt_us(row["distrib_us"]), fmt_us(row["floor_us"]),
-                    fmt_us(row["floor_copies_us"]), fmt_ratio(row["ratio"])]
+            line = [name, str(replicas), str(cores), fmt_us(row["distrib_us"]), fmt_us(row["cooperative_us"]),
+                    fmt_us(row["floor_us"]), fmt_us(row["floor_copies_us"]), fmt_ratio(row["ratio"]),
+                    fmt_ratio(row["cooperative_ratio"])]
             if tf_columns:
                 at_peer = replicas == tf["replicas"]
                 line += [fmt_us(tf["eager_us"][name] if at_peer else None),
                          fmt_us(tf["function_us"][name] if at_peer else None)]
             rows.append(line)
     show("strategy.run, µs per step (median)", header, rows,
-         "ratio = distrib / floor (plain sums: n-1 in-place np.add, no copies); floor+copies also copies the sum "
-         "into the other n-1 replicas' outputs.")
+         "threads: MirroredStrategy's default, a thread per replica; cooperative: replica_execution="
+         "\"cooperative\", every replica a greenlet on the calling thread. ratio = distrib / floor (plain sums: "
+         "n-1 in-place np.add, no copies); floor+copies also copies the sum into the other n-1 replicas' outputs.")
     if not tf_columns:
         print(f"TensorFlow columns skipped: {tf['note']}")
 
@@ -227,16 +254,17 @@ def report(results: dict, tf: dict, targets: list[dict], versus_tf: list[dict], 
              [[str(r["cores"]), fmt_us(r["distrib_us"]), fmt_us(r["floor_us"]), fmt_ratio(r["ratio"]),
                fmt_ratio(one / r["distrib_us"])] for r in scaling],
              "floor = the single-threaded plain sums, measured under the same affinity.")
-    show(f"Targets at {TARGET_REPLICAS} replicas", ["workload", "cores", "target", "measured", "result"],
+    show(f"Targets at {TARGET_REPLICAS} replicas", ["workload", "execution", "cores", "target", "measured", "result"],
          [target_row(t) for t in targets])
     if versus_tf:
         show(f"distrib vs TensorFlow {tf['tensorflow']} at {TARGET_REPLICAS} replicas, {cores} cores",
-             ["workload", "TF mode", "distrib µs", "TF µs", "distrib faster"],
-             [[c["workload"], c["mode"], fmt_us(c["distrib_us"]), fmt_us(c["tf_us"]),
+             ["workload", "execution", "TF mode", "distrib µs", "TF µs", "distrib faster"],
+             [[c["workload"], c["execution"], c["mode"], fmt_us(c["distrib_us"]), fmt_us(c["tf_us"]),
                f"yes ({c['tf_us'] / c['distrib_us']:.2f}x)" if c["distrib_faster"]
                else f"no ({c['distrib_us'] / c['tf_us']:.2f}x slower)"] for c in versus_tf])
-        verdict = "yes" if all(c["distrib_faster"] for c in versus_tf) else "no"
-        print(f"distrib faster than TensorFlow on every workload, eager and tf.function: {verdict}")
+        for execution in EXECUTIONS:
+            verdict = "yes" if all(c["distrib_faster"] for c in versus_tf if c["execution"] == execution) else "no"
+            print(f"distrib ({execution}) faster than TensorFlow on every workload, eager and tf.function: {verdict}")
     elif tf_columns:
         print(f"No comparison with TensorFlow: it runs on {tf['replicas']} replicas, which --replicas leaves out.")
 
@@ -344,7 +372,9 @@ def main() -> None:
         "distrib": {"version": distrib.__version__, "revision": checkout_revision()},
         "settings": {"repeats": repeats, "min_seconds_per_repeat": min_seconds, "statistic": "median",
                      "vector_elements": VECTOR_ELEMENTS, "batch_count": BATCH_COUNT, "batch_elements": BATCH_ELEMENTS,
-                     "ratio": "distrib_us / floor_us (plain sums, no copies)"},
+                     "ratio": "distrib_us / floor_us (plain sums, no copies)",
+                     "executions": {"distrib_us": "replica_execution='threads' (the default)",
+                                    "cooperative_us": "replica_execution='cooperative'"}},
         "results": [{"workload": name, "replicas": replicas, "cores": cores, **rows[name]}
                     for name in WORKLOADS for replicas, rows in results.items()],
         "nested": [{"workload": name, "replicas": replicas, "cores": cores, "leaves": NESTED_LEAVES, **rows[name]}

@@ -25,11 +25,12 @@ from distrib.values import flatten, is_zero_scalar, local_components, unflatten
 class MultiWorkerExtended(MirroredExtended):
     """StrategyExtended of MultiWorkerMirroredStrategy: this process's replicas, collectives over all processes."""
 
-    def __init__(self, container_strategy: Strategy, backend: Any, communication_options: CommunicationOptions):
+    def __init__(self, container_strategy: Strategy, backend: Any, communication_options: CommunicationOptions,
+                 execution: str | None = None):
         self._group = backend.group
         self._first_local_replica = self._group.first_replica
         super().__init__(container_strategy, backend, backend.default_devices(), CollectiveAllReduce(),
-                         communication_options)
+                         communication_options, execution)
 
     @property
     def should_checkpoint(self) -> bool:
@@ -82,6 +83,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         matches the MPI job's.
       communication_options: default `CommunicationOptions` for every collective (its timeout bounds how long
         a rank waits for a failed or stalled peer).
+      replica_execution: how this process's replicas run, as for `MirroredStrategy`: "threads" or
+        "cooperative" (emulated replicas only); None reads `$DISTRIB_REPLICA_EXECUTION`.
 
     Example:
       >>> import distrib, numpy as np
@@ -92,7 +95,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None,
-                 communication_options: CommunicationOptions | None = None):
+                 communication_options: CommunicationOptions | None = None, *,
+                 replica_execution: str | None = None):
         if cluster_resolver is None:
             cluster_resolver = MPIClusterResolver()
         elif not isinstance(cluster_resolver, ClusterResolver):
@@ -106,7 +110,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             raise ValueError(f"The cluster resolver must describe the MPI job's {group.size} processes. Received: "
                              f"{tasks} chief and worker tasks in {cluster_resolver!r}.")
         self._cluster_resolver = cluster_resolver
-        super().__init__(MultiWorkerExtended(self, backend, communication_options))
+        super().__init__(MultiWorkerExtended(self, backend, communication_options, replica_execution))
 
     @property
     def num_replicas_in_sync(self) -> int:
