@@ -29,10 +29,10 @@ from distrib.devices import canonical_name, parse_device
 from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
 from distrib.extended import StrategyExtended
 from distrib.interrupts import deferred_interrupts
-from distrib.options import CommunicationOptions, RunOptions, default_timeout, replica_execution
+from distrib.options import CommunicationOptions, RunOptions, default_timeout
 from distrib.replica_context import ReplicaContext
 from distrib.replica_team import IdleThreadsTeam, ReplicaTeam
-from distrib.replica_greenlets import thread_replicas
+from distrib.replica_greenlets import runs_cooperatively, thread_replicas
 from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, count_mismatch,
                                      executing_worker, retire_all, wake_all)
 from distrib.strategy import Strategy
@@ -50,7 +50,7 @@ class MirroredExtended(StrategyExtended):
                  cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions,
                  execution: str | None = None):
         super().__init__(container_strategy, backend, devices, cross_device_ops, communication_options)
-        self._cooperative = _cooperative(backend, devices, execution)
+        self._cooperative = runs_cooperatively(backend.name, devices, execution)
         self._greenlets = threading.local()  # .replicas: each calling thread's ReplicaGreenlets
         self._cooperative_run: Any = None  # the ReplicaGreenlets of the cooperative run in progress
         self._threads: list[ReplicaThread] = []
@@ -331,21 +331,6 @@ class MirroredExtended(StrategyExtended):
         if run.stopped or worker.retired:
             raise RequestedStop()
         return worker.rendezvous(run, (kind, merge, payload, options.timeout))
-
-
-def _cooperative(backend: Backend, devices: Sequence[str], execution: str | None) -> bool:
-    """Whether the replicas run as greenlets: asked for (else $DISTRIB_REPLICA_EXECUTION), on the CPU emulator.
-
-    GPU replicas keep their threads (each holds its device current); the environment's choice applies to the
-    emulator only, so one setting serves a job's CPU tests and its GPU runs alike.
-    """
-    chosen = replica_execution(execution)
-    if chosen == "cooperative" and backend.name not in ("cpu", "mpi"):
-        if execution is None:
-            return False
-        raise ValueError(f"replica_execution='cooperative' needs the CPU emulator: GPU replicas run on threads, "
-                         f"each with its device current. Received: devices {list(devices)}.")
-    return chosen == "cooperative"
 
 
 def _patience(run: Run, exc: BaseException) -> float:

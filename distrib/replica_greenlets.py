@@ -9,11 +9,12 @@ beside a replica, so nothing can notice one that never comes back: runs with a d
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from distrib import context, timeline
 from distrib.errors import BackendUnavailableError, MergeCallMismatchError
 from distrib.interrupts import deferred_interrupts
+from distrib.options import replica_execution
 from distrib.replica_threads import DONE, FAILED, WAITING, RequestedStop, Run, count_mismatch
 
 _STOPPED = "stopped"
@@ -119,6 +120,8 @@ class ReplicaGreenlets:
         if replica.dead:  # killed from outside (a GreenletExit); a replica never ends on its own
             replica = self._greenlets[i] = self._module.greenlet(self._main)
         own = context.swap_stack(self._stacks[i])
+        tracked = timeline.recording is not None  # then its events go on its replica's track
+        track = timeline.swap_track(f"replica {i}") if tracked else None
         try:
             if throw is None:
                 replica.switch(message)
@@ -126,6 +129,8 @@ class ReplicaGreenlets:
                 replica.throw(throw)
         finally:
             context.swap_stack(own)
+            if tracked:
+                timeline.swap_track(track)
         reply, self._reply = self._reply, None
         return reply
 
@@ -152,3 +157,18 @@ def thread_replicas(local: threading.local, count: int) -> ReplicaGreenlets:
     if replicas is None:
         replicas = local.replicas = ReplicaGreenlets(count)
     return replicas
+
+
+def runs_cooperatively(backend_name: str, devices: Sequence[str], execution: str | None) -> bool:
+    """Whether the replicas run as greenlets: asked for (else $DISTRIB_REPLICA_EXECUTION), on the CPU emulator.
+
+    GPU replicas keep their threads (each holds its device current); the environment's choice applies to the
+    emulator only, so one setting serves a job's CPU tests and its GPU runs alike.
+    """
+    chosen = replica_execution(execution)
+    if chosen == "cooperative" and backend_name not in ("cpu", "mpi"):
+        if execution is None:
+            return False
+        raise ValueError(f"replica_execution='cooperative' needs the CPU emulator: GPU replicas run on threads, "
+                         f"each with its device current. Received: devices {list(devices)}.")
+    return chosen == "cooperative"

@@ -3,7 +3,7 @@
 `DISTRIB_TIMELINE=trace.json` records from the first import of distrib until the process exits;
 `Strategy.start_timeline(path)` / `stop_timeline()` (or `distrib.timeline.start` / `stop`) record a stretch of
 a program. The file is Chrome's trace event format, which Perfetto (ui.perfetto.dev) and chrome://tracing open:
-one track per replica thread, one per device, and one for the thread that calls `Strategy.run`. Where CuPy's
+one track per replica (thread or cooperative greenlet), one per device, and one for the thread that calls `Strategy.run`. Where CuPy's
 NVTX is available (the CUDA backend registers it) every span is also an NVTX range of the same name, so
 Nsight Systems shows the same names beside the GPU's kernels. On CUDA the spans are host-side: a collective's
 span ends when it is queued, not when the GPU finishes it.
@@ -156,8 +156,22 @@ def use_nvtx(push: Callable[[str], Any], pop: Callable[[], Any]) -> None:
     _nvtx = (push, pop)
 
 
+_track = threading.local()  # .name: the track of the cooperative replica running on this thread, if any
+
+
+def swap_track(name: str | None) -> str | None:
+    """Makes `name` the calling thread's track (None: the thread's own) and returns the one it replaces: a
+    cooperative replica, a greenlet on the caller's thread, records on its replica's track."""
+    previous = getattr(_track, "name", None)
+    _track.name = name
+    return previous
+
+
 def thread_track() -> str:
-    """The calling thread's track: 'replica k' on a replica thread, else the thread's name."""
+    """The calling thread's track: 'replica k' on a replica thread or cooperative replica, else the thread's name."""
+    override = getattr(_track, "name", None)
+    if override is not None:
+        return override
     name = threading.current_thread().name
     return name.replace("distrib-replica-", "replica ") if name.startswith("distrib-replica-") else name
 

@@ -176,10 +176,23 @@ def test_the_environment_chooses_and_gpus_keep_their_threads(monkeypatch):
 
 
 def test_cooperative_needs_the_cpu_emulator():
-    from distrib.backends import get_backend
-    from distrib.mirrored import _cooperative
+    from distrib.replica_greenlets import runs_cooperatively
 
     with pytest.raises(ValueError, match="replica_execution='cooperative' needs the CPU emulator"):
-        _cooperative(type("Cuda", (), {"name": "cuda"})(), ["GPU:0"], "cooperative")
-    assert _cooperative(type("Cuda", (), {"name": "cuda"})(), ["GPU:0"], None) is False
-    assert _cooperative(get_backend("cpu"), ["CPU:0"], "cooperative") is True
+        runs_cooperatively("cuda", ["GPU:0"], "cooperative")
+    assert runs_cooperatively("cuda", ["GPU:0"], None) is False  # $DISTRIB_REPLICA_EXECUTION: GPUs keep threads
+    assert runs_cooperatively("mpi", ["CPU:0"], "cooperative") is True
+
+
+def test_the_timeline_puts_each_replica_on_its_own_track(strategy, tmp_path):
+    import json
+
+    strategy.start_timeline(str(tmp_path / "trace.json"))
+    try:
+        strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1)))
+    finally:
+        path = strategy.stop_timeline()
+    trace = json.loads(open(path).read())
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    runs = sorted(names[e["tid"]] for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] == "run")
+    assert runs == ["MainThread", "replica 0", "replica 1", "replica 2", "replica 3"]
