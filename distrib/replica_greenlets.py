@@ -46,7 +46,10 @@ class ReplicaGreenlets:
         self._greenlets = [self._module.greenlet(self._main) for _ in range(count)]
         self._stacks = [context.new_stack() for _ in range(count)]  # each replica's context stack
         self._scheduler: Any = None  # the greenlet running `execute`, switched back to at each collective
-        self._reply: tuple[str, Any] | None = None  # what the replica switching back reports
+        # what the scheduler hands the replica it switches to, and what a replica switching back reports: passed
+        # here rather than through switch(), whose first call's arguments a greenlet would keep for its whole life
+        self._message: Any = None
+        self._reply: tuple[str, Any] | None = None
         self.run: Run | None = None
 
     def __repr__(self) -> str:
@@ -94,7 +97,9 @@ class ReplicaGreenlets:
         run.merge_counts[replica_id] += 1
         with timeline.span(request[0], "merge_call"):
             self._reply = (WAITING, None)
-            return self._scheduler.switch()
+            self._scheduler.switch()
+        share, self._message = self._message, None
+        return share
 
     def _phase(self, run: Run, messages: list) -> None:
         """Switches to each replica in turn with its message (its job, or its share of the merge)."""
@@ -104,8 +109,8 @@ class ReplicaGreenlets:
             if status == DONE:
                 run.results[i] = value
             elif status == FAILED:
-                run.error = (i, value)
-                raise value
+                run.error, value = (i, value), None  # no local of this frame may hold the error: its traceback
+                raise run.error[1]                     # holds the frame, and the cycle would keep every local
 
     def _stop(self, run: Run) -> None:
         """Unwinds the replicas waiting at a collective (their `finally` blocks run); they report back stopped."""
@@ -124,7 +129,8 @@ class ReplicaGreenlets:
         track = timeline.swap_track(f"replica {i}") if tracked else None
         try:
             if throw is None:
-                replica.switch(message)
+                self._message = message
+                replica.switch()
             else:
                 replica.throw(throw)
         finally:
@@ -134,10 +140,10 @@ class ReplicaGreenlets:
         reply, self._reply = self._reply, None
         return reply
 
-    def _main(self, job: tuple[Run, int]) -> None:
+    def _main(self) -> None:
         """A replica greenlet's life: run its function for each run it is switched to with, report, wait."""
         while True:
-            run, i = job
+            (run, i), self._message = self._message, None
             try:
                 with context.frame(run.strategy, run.contexts[i]), timeline.span("run", "run"):
                     self._reply = (DONE, run.fn(*run.args[i], **run.kwargs[i]))
@@ -147,8 +153,8 @@ class ReplicaGreenlets:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it from run
                 self._reply = (FAILED, exc)
-            run = job = None  # keep nothing of a finished run while waiting for the next
-            job = self._scheduler.switch()
+            run = None  # keep nothing of a finished run while waiting for the next
+            self._scheduler.switch()
 
 
 def thread_replicas(local: threading.local, count: int) -> ReplicaGreenlets:

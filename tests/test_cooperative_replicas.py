@@ -196,3 +196,34 @@ def test_the_timeline_puts_each_replica_on_its_own_track(strategy, tmp_path):
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
     runs = sorted(names[e["tid"]] for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] == "run")
     assert runs == ["MainThread", "replica 0", "replica 1", "replica 2", "replica 3"]
+
+
+def test_nothing_of_a_run_outlives_it_without_a_garbage_collection():
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    kept = []
+
+    def step():
+        payload = Payload()
+        kept.append(weakref.ref(payload))
+        distrib.get_replica_context().all_reduce("SUM", np.float32(1))
+        if replica_id() == 2:
+            raise KeyError("fails")
+
+    gc.collect()
+    gc.disable()
+    try:
+        strategy = distrib.MirroredStrategy(DEVICES, replica_execution="cooperative")
+        for _ in range(3):
+            with pytest.raises(KeyError):
+                strategy.run(step)
+        dropped = weakref.ref(strategy)
+        del strategy
+        assert [ref() for ref in kept] == [None] * 12  # the failed runs' locals, on every replica
+        assert dropped() is None  # the greenlets kept no run, and so no strategy
+    finally:
+        gc.enable()
