@@ -1,8 +1,10 @@
-"""`distrib train` throughput on the emulator, with each replica's share of the cores for BLAS and without.
+"""`distrib train` throughput on the emulator, with each replica's share of the cores for BLAS and without, and
+with its replicas cooperative (its default on the emulator) or on threads.
 
 Without the share, a BLAS that spreads each matmul over every core oversubscribes them while the replicas
 run theirs at once; its spinning threads then wait on each other. The target: 1 replica trains at least half
-as fast as 2 (it was 20x slower), measured against the unshared baseline in the same run.
+as fast as 2 (it was 20x slower), measured against the unshared baseline in the same run. The threads column
+trains with `DISTRIB_REPLICA_EXECUTION=threads`, the shared BLAS too, for the cost of a thread per replica.
 
     python bench/train_bench.py [--epochs 3] [--json PATH]
 """
@@ -22,19 +24,27 @@ from pathlib import Path
 import numpy as np
 
 import distrib
-from distrib.cli.train import build_parser, make_strategy, shared_cores, train
+from distrib.cli.train import build_parser, make_strategy, replicas_at_once, shared_cores, train
 
 BENCH = Path(__file__).resolve().parent
 REPLICAS = (1, 2, 4)
 TARGET_RATIO = 0.5  # samples/s at 1 replica over samples/s at 2, both shared
 
 
-def samples_per_second(replicas: int, epochs: int, shared: bool, out: Path) -> float:
+def samples_per_second(replicas: int, epochs: int, shared: bool, out: Path, execution: str | None = None) -> float:
     args = build_parser().parse_args(["--replicas", str(replicas), "--epochs", str(epochs), "--out", str(out),
                                       "--learning-rate", "0.003"])
-    strategy = make_strategy(args)
+    previous = os.environ.pop("DISTRIB_REPLICA_EXECUTION", None)
+    try:
+        if execution is not None:
+            os.environ["DISTRIB_REPLICA_EXECUTION"] = execution
+        strategy = make_strategy(args)
+    finally:
+        os.environ.pop("DISTRIB_REPLICA_EXECUTION", None)
+        if previous is not None:
+            os.environ["DISTRIB_REPLICA_EXECUTION"] = previous
     out.mkdir(parents=True, exist_ok=True)
-    with shared_cores(replicas) if shared else contextlib.nullcontext(), contextlib.redirect_stdout(io.StringIO()):
+    with shared_cores(replicas_at_once(strategy)) if shared else contextlib.nullcontext(), contextlib.redirect_stdout(io.StringIO()):
         return train(args, strategy).samples_per_second
 
 
@@ -51,13 +61,17 @@ def main(argv=None) -> int:
             for shared in (False, True):
                 key = "shared_samples_per_s" if shared else "unshared_samples_per_s"
                 row[key] = round(samples_per_second(replicas, args.epochs, shared, Path(tmp) / f"{replicas}{shared}"))
+            row["threads_shared_samples_per_s"] = round(samples_per_second(
+                replicas, args.epochs, True, Path(tmp) / f"{replicas}threads", execution="threads"))
             rows.append(row)
     by_replicas = {row["replicas"]: row for row in rows}
     ratio = by_replicas[1]["shared_samples_per_s"] / by_replicas[2]["shared_samples_per_s"]
     print(f"distrib train, {args.epochs} epochs, {os.cpu_count()} cores: samples/s")
-    print(f"{'replicas':>8} {'unshared BLAS':>14} {'shared BLAS':>12}")
+    print(f"{'replicas':>8} {'unshared BLAS':>14} {'shared BLAS':>12} {'shared, threads':>16}")
     for row in rows:
-        print(f"{row['replicas']:>8} {row['unshared_samples_per_s']:>14,} {row['shared_samples_per_s']:>12,}")
+        print(f"{row['replicas']:>8} {row['unshared_samples_per_s']:>14,} {row['shared_samples_per_s']:>12,} "
+              f"{row['threads_shared_samples_per_s']:>16,}")
+    print("replicas cooperative (distrib train's default on the emulator) but in the last column")
     passed = ratio >= TARGET_RATIO
     print(f"1 replica / 2 replicas, shared: {ratio:.2f} (target >= {TARGET_RATIO}): {'PASS' if passed else 'FAIL'}")
     path = args.json or BENCH / "results" / f"train-{datetime.date.today().isoformat()}-cpu.json"

@@ -67,6 +67,11 @@ class MirroredExtended(StrategyExtended):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} devices={self._devices}{' closed' if self._closed else ''}>"
 
+    @property
+    def replica_execution(self) -> str:
+        """How this strategy's replicas run: "threads" (at the same time) or "cooperative" (one after another)."""
+        return "cooperative" if self._cooperative else "threads"
+
     def _ensure_threads(self) -> list[ReplicaThread]:
         if self._pid != os.getpid():  # forked: the threads stayed in the parent process
             self._pid = os.getpid()

@@ -293,6 +293,13 @@ def blas_threads(replicas: int, cores: int) -> int:
     return max(1, (cores - 1) // replicas)
 
 
+def replicas_at_once(strategy: Strategy) -> int:
+    """How many of this process's replicas compute at the same time: all of them on threads, one when they are
+    cooperative (they take turns, so each matmul may have the cores that replicas on threads share)."""
+    extended = strategy.extended
+    return 1 if extended.replica_execution == "cooperative" else len(extended.worker_devices)
+
+
 @contextlib.contextmanager
 def shared_cores(replicas: int):
     """Limits BLAS and OpenMP to `blas_threads` inside the block (threadpoolctl: any BLAS); yields the limit."""
@@ -386,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.optimizer} lr {args.learning_rate}, {args.precision}")
     emulated = strategy.extended.backend.xp is np  # on GPUs the replicas' math is not the host's BLAS
     try:
-        with shared_cores(len(strategy.extended.worker_devices)) if emulated else contextlib.nullcontext():
+        with shared_cores(replicas_at_once(strategy)) if emulated else contextlib.nullcontext():
             result = train(args, strategy)
     except CheckpointError as exc:  # a checkpoint that passed check_resume but does not fit the model
         if not args.resume:

@@ -18,7 +18,8 @@ from distrib.datasets import load_digits
 from distrib.backends import cuda_problem
 from distrib.cli.progress import PlainProgress
 from distrib.cli import train as train_module
-from distrib.cli.train import blas_threads, main as train_main, replica_devices, shared_cores
+from distrib.cli.train import (blas_threads, build_parser, main as train_main, make_strategy, replica_devices,
+                                replicas_at_once, shared_cores)
 
 
 def test_the_digits_split_is_fixed_stratified_and_scaled():
@@ -57,12 +58,28 @@ def test_resume_continues_the_epochs_and_the_history(tmp_path, capsys):
     assert len(resumed["step_loss"]) == 2 * len(first["step_loss"])
 
 
-def test_one_and_four_replicas_train_the_same_model(tmp_path, capsys):
-    """Data parallelism changes where the work runs, not what is learnt."""
+def test_one_and_four_replicas_train_the_same_model(tmp_path, capsys, monkeypatch):
+    """Data parallelism changes where the work runs, not what is learnt; nor do threads or cooperative replicas."""
     for replicas in ("1", "4"):
         train_main(["--replicas", replicas, "--epochs", "2", "--out", str(tmp_path / replicas)])
-    one, four = (json.loads((tmp_path / r / "history.json").read_text()) for r in ("1", "4"))
+    monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "threads")
+    train_main(["--replicas", "4", "--epochs", "2", "--out", str(tmp_path / "threads")])
+    one, four, threads = (json.loads((tmp_path / r / "history.json").read_text()) for r in ("1", "4", "threads"))
     np.testing.assert_allclose(four["step_loss"], one["step_loss"], rtol=1e-4)
+    assert threads["step_loss"] == four["step_loss"]  # bit for bit
+
+
+@pytest.mark.skipif(detect() != "cpu", reason="the emulator's default; GPU replicas always run on threads")
+def test_emulated_replicas_train_cooperatively_unless_the_environment_says_threads(tmp_path, monkeypatch):
+    args = build_parser().parse_args(["--replicas", "4", "--out", str(tmp_path)])
+    monkeypatch.delenv("DISTRIB_REPLICA_EXECUTION", raising=False)
+    strategy = make_strategy(args)
+    assert strategy.extended.replica_execution == "cooperative"
+    assert replicas_at_once(strategy) == 1  # they take turns: each matmul may use the cores
+    monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "threads")
+    strategy = make_strategy(args)
+    assert strategy.extended.replica_execution == "threads"
+    assert replicas_at_once(strategy) == 4
 
 
 def test_steps_run_ahead_of_the_host_which_reads_their_losses_once_per_refresh(tmp_path, monkeypatch, capsys):
