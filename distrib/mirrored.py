@@ -148,12 +148,15 @@ class MirroredExtended(StrategyExtended):
                 f"that a replica function waits on: return what the thread computed and call run after the run "
                 f"in progress returns, or call the function directly in the replica function.")
 
+    def _new_run(self, fn, args, kwargs, deadline: float | None) -> Run:
+        # new replica contexts for every run: kept by the strategy, they would hold it in a reference cycle
+        count, strategy, first = len(self._devices), self._container_strategy, self._first_local_replica
+        return Run(strategy, tuple(ReplicaContext(strategy, first + i, first) for i in range(count)), fn,
+                   select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout, deadline)
+
     def _run(self, fn, args, kwargs, threads: list[ReplicaThread], deadline: float | None):
         count = len(self._devices)
-        strategy = self._container_strategy
-        first = self._first_local_replica
-        run = Run(strategy, tuple(ReplicaContext(strategy, first + i, first) for i in range(count)), fn,
-                  select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout, deadline)
+        run = self._new_run(fn, args, kwargs, deadline)
         try:
             with deferred_interrupts():  # every thread starts, or (interrupted before) none
                 for worker in threads:
@@ -187,10 +190,7 @@ class MirroredExtended(StrategyExtended):
         """Every replica a greenlet on the calling thread (`replica_execution="cooperative"`); the replica threads
         only share the merges' sums, as they do in a threaded run's merge."""
         count = len(self._devices)
-        strategy = self._container_strategy
-        first = self._first_local_replica
-        run = Run(strategy, tuple(ReplicaContext(strategy, first + i, first) for i in range(count)), fn,
-                  select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout, None)
+        run = self._new_run(fn, args, kwargs, None)
         replicas = thread_replicas(self._greenlets, count)
         threads = self._ensure_threads()
         self._cooperative_run = replicas
