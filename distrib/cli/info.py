@@ -32,7 +32,7 @@ def gather() -> dict:
         reason = (f"DISTRIB_BACKEND={forced}" if forced else
                   "CuPy sees a GPU and NCCL is loadable" if kind == "cuda" else f"CUDA unavailable: {cuda_problem()}")
     facts: dict = {"backend": kind, "reason": reason, "default_devices": default_devices,
-                   "gpus": [], "gpu_problem": None, "versions": versions(),
+                   "replica_execution": _replica_execution(kind), "gpus": [], "gpu_problem": None, "versions": versions(),
                    "missing": {name: {"for": why, "extra": extra} for name, (why, extra) in missing().items()}}
     try:
         gpus = topology.read_gpus()
@@ -48,12 +48,28 @@ def gather() -> dict:
     return facts
 
 
+def _replica_execution(kind: str | None) -> str:
+    """How MirroredStrategy() would run its replicas here, and what decided it."""
+    from distrib.options import replica_execution
+
+    try:
+        chosen = replica_execution(None)
+    except ValueError as exc:
+        return f"none ({exc})"
+    if kind == "cuda":
+        return "threads (GPU replicas always run on threads)"
+    if os.environ.get("DISTRIB_REPLICA_EXECUTION"):
+        return f"{chosen} (DISTRIB_REPLICA_EXECUTION={chosen})"
+    return f"{chosen} (the default; DISTRIB_REPLICA_EXECUTION=cooperative runs emulated replicas as greenlets)"
+
+
 def render(facts: dict) -> list[str]:
     """The facts as plain text lines."""
     v = facts["versions"]
     lines = [f"distrib {v['distrib']} on Python {v['python']}, NumPy {v['numpy']}",
              f"backend: {facts['backend'] or 'none'} ({facts['reason']})",
-             f"default devices: {', '.join(facts['default_devices']) or 'none'}", ""]
+             f"default devices: {', '.join(facts['default_devices']) or 'none'}",
+             f"replica execution: {facts['replica_execution']}", ""]
     if facts["gpu_problem"]:
         lines.append(f"GPUs: none ({facts['gpu_problem']})")
     else:

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from distrib.backends import detect
 from distrib.cli import topology
 
@@ -71,3 +73,13 @@ def test_the_link_matrix_has_nvidia_smis_layout():
     assert lines[1].split("\t") == ["GPU0", " X ", "NV18", "SYS", "0-7"]
     assert lines[3].split("\t") == ["GPU2", "SYS", "SYS", " X ", "0-7"]
     assert "NV#  = Connection traversing a bonded set of # NVLinks" in topology.matrix(gpus)
+
+
+@pytest.mark.skipif(detect() != "cpu", reason="GPU replicas always run on threads")
+def test_info_says_how_emulated_replicas_run_and_why(monkeypatch):
+    monkeypatch.delenv("DISTRIB_REPLICA_EXECUTION", raising=False)
+    assert json.loads(info("--json"))["replica_execution"].startswith("threads (the default;")
+    monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "cooperative")
+    assert "replica execution: cooperative (DISTRIB_REPLICA_EXECUTION=cooperative)" in info()
+    monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "fibers")
+    assert "replica execution: none (DISTRIB_REPLICA_EXECUTION must be 'threads' or 'cooperative'" in info()
