@@ -34,7 +34,7 @@ from distrib.replica_context import ReplicaContext
 from distrib.replica_team import IdleThreadsTeam, ReplicaTeam
 from distrib.replica_greenlets import runs_cooperatively, thread_replicas
 from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, count_mismatch,
-                                     executing_worker, retire_all, wake_all)
+                                     executing_worker, name_replica, retire_all, wake_all)
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
 from distrib.values import regroup, select_replicas
@@ -179,7 +179,7 @@ class MirroredExtended(StrategyExtended):
         except BaseException as exc:
             self._stop(run, threads, _patience(run, exc))
             if run.error is not None and exc is run.error[1] and run.error[0] is not None:
-                _name_replica(exc, run.error[0], count)
+                name_replica(exc, run.error[0], count)
             raise
         finally:
             for worker in threads:
@@ -199,7 +199,7 @@ class MirroredExtended(StrategyExtended):
         except BaseException as exc:
             if run.error is not None and exc is run.error[1] and run.error[0] is not None and \
                     not isinstance(exc, KeyboardInterrupt):
-                _name_replica(exc, run.error[0], count)
+                name_replica(exc, run.error[0], count)
             raise
         finally:
             self._cooperative_run = None
@@ -221,7 +221,7 @@ class MirroredExtended(StrategyExtended):
                 result = fn(*args, **kwargs)
         except BaseException as exc:
             if not isinstance(exc, KeyboardInterrupt) and exc is not self._merge_error:
-                _name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
+                name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
             raise
         finally:
             self._inline, self._merge_error = outer, None
@@ -354,31 +354,6 @@ def _patience(run: Run, exc: BaseException) -> float:
 
 def _stacks(threads: list[ReplicaThread], replicas: Sequence[int]) -> str:
     return "".join(f"Replica {i} is at:\n{threads[i].stack()}" for i in replicas)
-
-
-_NOTE = "distrib: raised in "
-
-
-def _name_replica(exc: BaseException, replica_id: int, count: int) -> None:
-    """Adds the replica id to the exception's message, keeping its type and traceback.
-
-    An exception object raised again (by another replica, or in a later run) is renamed, not named twice.
-    """
-    where = f"replica {replica_id} of {count}"
-    if getattr(exc, "_distrib_named", None) is not None and exc.args == (exc._distrib_named,):
-        message = exc._distrib_message  # named before, by distrib: rename
-    elif type(exc).__str__ is BaseException.__str__ and len(exc.args) == 1 and isinstance(exc.args[0], str):
-        message = exc.args[0]
-    else:
-        message = None
-    if message is not None:
-        exc.args = (f"{message} (raised in {where})",)
-        exc._distrib_message, exc._distrib_named = message, exc.args[0]
-    elif hasattr(exc, "add_note"):
-        if getattr(exc, "__notes__", None):
-            exc.__notes__[:] = [note for note in exc.__notes__ if not note.startswith(_NOTE)]
-        exc.add_note(_NOTE + where)
-    exc.replica_id = replica_id
 
 
 class MirroredStrategy(Strategy):

@@ -1,4 +1,5 @@
-"""The replica threads of a MirroredStrategy and the state of one run that they share with its caller."""
+"""The replica threads of a MirroredStrategy, the state of one run that they share with its caller, and how a
+replica's failure is told (its id in the error, the collective counts that do not match)."""
 
 from __future__ import annotations
 
@@ -277,3 +278,28 @@ def count_mismatch(run: Run) -> str:
     return (f"Replicas made different numbers of merge_call calls (each all_reduce, all_gather and variable "
             f"update is one), so some would wait forever. Calls so far: {counts} ('+' = waiting for more). Make "
             f"every replica call the same collectives, e.g. avoid all_reduce under a replica-dependent `if`.")
+
+
+_NOTE = "distrib: raised in "
+
+
+def name_replica(exc: BaseException, replica_id: int, count: int) -> None:
+    """Adds the replica id to the exception's message, keeping its type and traceback.
+
+    An exception object raised again (by another replica, or in a later run) is renamed, not named twice.
+    """
+    where = f"replica {replica_id} of {count}"
+    if getattr(exc, "_distrib_named", None) is not None and exc.args == (exc._distrib_named,):
+        message = exc._distrib_message  # named before, by distrib: rename
+    elif type(exc).__str__ is BaseException.__str__ and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        message = exc.args[0]
+    else:
+        message = None
+    if message is not None:
+        exc.args = (f"{message} (raised in {where})",)
+        exc._distrib_message, exc._distrib_named = message, exc.args[0]
+    elif hasattr(exc, "add_note"):
+        if getattr(exc, "__notes__", None):
+            exc.__notes__[:] = [note for note in exc.__notes__ if not note.startswith(_NOTE)]
+        exc.add_note(_NOTE + where)
+    exc.replica_id = replica_id
