@@ -18,21 +18,35 @@ def per_step_us(step: Callable[[], object], repeats: int = 7, min_seconds: float
     The loop length is calibrated so that one loop lasts about `min_seconds`; the calibration loops double as
     the warm-up (first calls start threads, trace functions and fill buffer pools).
     """
+    return interleaved_per_step_us({"step": step}, repeats, min_seconds)["step"]
+
+
+def interleaved_per_step_us(steps: dict[str, Callable[[], object]], repeats: int = 7,
+                            min_seconds: float = 0.2) -> dict[str, float]:
+    """`per_step_us` of each of `steps`, their timed loops taken in turn (a, b, a, b, ...): a slow stretch of a
+    noisy machine then falls on every step alike instead of on whichever was being timed."""
+    counts = {name: _calibrated_steps(step, min_seconds) for name, step in steps.items()}
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            samples[name].append(_timed_loop(step, counts[name]) / counts[name])
+    return {name: round(statistics.median(times) * 1e6, 2) for name, times in samples.items()}
+
+
+def _calibrated_steps(step: Callable[[], object], min_seconds: float) -> int:
+    """How many calls of `step` make a loop of about `min_seconds` (found by doubling, which warms it up)."""
     step()
     steps = 1
     while True:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        elapsed = time.perf_counter() - start
+        elapsed = _timed_loop(step, steps)
         if elapsed >= min_seconds / 4:
             break
         steps *= 2
-    steps = max(1, math.ceil(steps * min_seconds / elapsed))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        samples.append((time.perf_counter() - start) / steps)
-    return round(statistics.median(samples) * 1e6, 2)
+    return max(1, math.ceil(steps * min_seconds / elapsed))
+
+
+def _timed_loop(step: Callable[[], object], steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - start

@@ -20,7 +20,8 @@ sys.path.insert(0, str(BENCH.parent))  # benchmark the checkout this file belong
 import distrib  # noqa: E402
 from distrib.backends.parallel import usable_cores  # noqa: E402
 from distrib.cli.bench.runners import sum_in_order  # noqa: E402
-from measure import BATCH_COUNT, BATCH_ELEMENTS, VECTOR_ELEMENTS, WORKLOADS, per_step_us  # noqa: E402
+from measure import (BATCH_COUNT, BATCH_ELEMENTS, VECTOR_ELEMENTS, WORKLOADS,  # noqa: E402
+                     interleaved_per_step_us, per_step_us)
 from nested import NESTED_LEAVES, NESTED_WORKLOADS, measure_nested  # noqa: E402
 
 TARGET_REPLICAS = 4
@@ -69,18 +70,23 @@ def check_sums(strategy: distrib.MirroredStrategy, result) -> None:
 def measure_replicas(replicas: int, repeats: int, min_seconds: float) -> dict[str, dict]:
     """Both replica executions and both floors for every workload at one replica count, on the same inputs:
     {workload: {"distrib_us", "ratio" (threads), "cooperative_us", "cooperative_ratio", "floor_us", ...}}."""
-    rows = measure_execution(replicas, repeats, min_seconds, "threads", floors=True)
-    cooperative = measure_execution(replicas, repeats, min_seconds, "cooperative", floors=False)
-    for name, row in rows.items():
-        row["cooperative_us"] = cooperative[name]["distrib_us"]
-        row["cooperative_ratio"] = None if row["floor_us"] is None else \
-            round(row["cooperative_us"] / row["floor_us"], 3)
+    threads, floors = workload_steps(replicas, "threads")
+    cooperative, _ = workload_steps(replicas, "cooperative")
+    rows = {}
+    for name in WORKLOADS:  # the four timed in turn, so that a slow stretch of the machine hits them alike
+        steps = {"distrib_us": threads[name], "cooperative_us": cooperative[name]}
+        if floors[name] is not None:
+            steps.update(floor_us=partial(floors[name], False), floor_copies_us=partial(floors[name], True))
+        row = {"floor_us": None, "floor_copies_us": None, **interleaved_per_step_us(steps, repeats, min_seconds)}
+        for key, us in (("ratio", "distrib_us"), ("cooperative_ratio", "cooperative_us")):
+            row[key] = None if row["floor_us"] is None else round(row[us] / row["floor_us"], 3)
+        rows[name] = row
     return rows
 
 
-def measure_execution(replicas: int, repeats: int, min_seconds: float, execution: str,
-                      floors: bool) -> dict[str, dict]:
-    """distrib (and with `floors` both floors) for every workload at one replica count and execution."""
+def workload_steps(replicas: int, execution: str) -> tuple[dict, dict]:
+    """({workload: one step of distrib}, {workload: its floor(copy_out), or None}) on a strategy of `replicas`
+    replicas run with `execution`, its results checked."""
     strategy = distrib.MirroredStrategy([f"CPU:{i}" for i in range(replicas)], replica_execution=execution)
     vector = strategy.experimental_distribute_values_from_function(
         lambda ctx: np.full(VECTOR_ELEMENTS, ctx.replica_id_in_sync_group + 1, np.float32))
@@ -102,19 +108,10 @@ def measure_execution(replicas: int, repeats: int, min_seconds: float, execution
         for parts, outs in zip(batch_parts, batch_outs):
             sum_into(parts, outs, copy_out)
 
-    runs = {"allreduce_1m": (all_reduce_step, (vector,), vector_floor),
-            "batch_200x1000": (all_reduce_step, (batch,), batch_floor),
-            "empty_merge_call": (merge_call_step, (), None)}
-    rows = {}
-    for name, (fn, args, floor) in runs.items():
-        row = {"distrib_us": per_step_us(partial(strategy.run, fn, args=args), repeats, min_seconds),
-               "floor_us": None, "floor_copies_us": None, "ratio": None}
-        if floor is not None and floors:
-            row["floor_us"] = per_step_us(partial(floor, False), repeats, min_seconds)
-            row["floor_copies_us"] = per_step_us(partial(floor, True), repeats, min_seconds)
-            row["ratio"] = round(row["distrib_us"] / row["floor_us"], 3)
-        rows[name] = row
-    return rows
+    steps = {"allreduce_1m": partial(strategy.run, all_reduce_step, args=(vector,)),
+             "batch_200x1000": partial(strategy.run, all_reduce_step, args=(batch,)),
+             "empty_merge_call": partial(strategy.run, merge_call_step)}
+    return steps, {"allreduce_1m": vector_floor, "batch_200x1000": batch_floor, "empty_merge_call": None}
 
 
 def run_tf_peer(tf_python: str, repeats: int, min_seconds: float) -> dict:
