@@ -77,7 +77,8 @@ class MirroredExtended(StrategyExtended):
             self._pid = os.getpid()
             self._threads.clear()
         if not self._threads:
-            self._threads.extend(ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices))
+            with deferred_interrupts():  # all of them or none: a run on some would wait for the others for good
+                self._threads.extend(ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices))
         return self._threads
 
     def _close(self) -> None:

@@ -183,6 +183,25 @@ def test_ctrl_c_reaches_the_caller_promptly_and_the_stuck_replica_never_joins_a_
     assert child.finish() == 0
 
 
+def test_ctrl_c_during_a_strategys_first_run_leaves_it_whole():
+    child = Child("""
+        def step():
+            return distrib.get_replica_context().all_reduce("SUM", np.float32(1))
+
+        def STEP():  # a new strategy each time: its first run starts its threads
+            global fresh
+            fresh = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+            return fresh.run(step)
+
+        STEP()
+        CHECK = lambda: [float(x) for x in fresh.experimental_local_results(fresh.run(step))] == [4.0] * 4
+    """, LOOP.format(interrupts=INTERRUPTS, threads=4))
+    reports = interrupt_repeatedly(child)
+    assert reports == [{"equal": True}] * INTERRUPTS
+    assert child.read() == {"equal": True, "threads": 4}
+    assert child.finish() == 0
+
+
 def test_outside_blocks_the_program_sees_its_own_sigint_handler_and_a_later_one_is_deferred_too():
     child = Child("""
         import signal
