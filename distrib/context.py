@@ -41,6 +41,11 @@ def swap_stack(stack: list[Frame]) -> list[Frame]:
     return previous
 
 
+def thread_stack() -> list[Frame]:
+    """This thread's stack (the running cooperative replica's, while one runs)."""
+    return _stack()
+
+
 def new_stack() -> list[Frame]:
     """A stack as a new thread starts with: the default frame only."""
     return list(_default)

@@ -46,10 +46,10 @@ class ReplicaGreenlets:
         self._greenlets = [self._module.greenlet(self._main) for _ in range(count)]
         self._stacks = [context.new_stack() for _ in range(count)]  # each replica's context stack
         self._scheduler: Any = None  # the greenlet running `execute`, switched back to at each collective
-        # what the scheduler hands the replica it switches to, and what a replica switching back reports: passed
-        # here rather than through switch(), whose first call's arguments a greenlet would keep for its whole life
+        self._own: tuple[list, str | None] = ([], None)  # the scheduler's context stack and timeline track
+        # what the scheduler hands the replica it switches to: passed here rather than through switch(), whose
+        # first call's arguments a greenlet would keep for its whole life
         self._message: Any = None
-        self._reply: tuple[str, Any] | None = None
         self.run: Run | None = None
 
     def __repr__(self) -> str:
@@ -70,10 +70,19 @@ class ReplicaGreenlets:
         Raises the first error in replica order (the replicas after it do not start that phase; those waiting
         at the collective are unwound first), and MergeCallMismatchError when some replicas returned while
         others wait at a collective.
+
+        A Ctrl-C can land at any bytecode, in a replica or here, between a switch and what follows it: so each
+        replica records its own status before it switches back, and a failed run puts the scheduler's context
+        stack and track back whatever point of a switch it stopped at.
         """
         if self.run is not None:
             raise RuntimeError("ReplicaGreenlets.execute cannot nest: its greenlets are inside a run.")
-        self._scheduler, self.run = self._module.getcurrent(), run
+        scheduler = self._module.getcurrent()
+        for replica in self._greenlets:
+            if replica.parent is not scheduler and not replica.dead:
+                replica.parent = scheduler  # where a replica that dies of an interrupt raises it
+        self._own = (context.thread_stack(), timeline.track_override())
+        self._scheduler, self.run = scheduler, run  # no call between here and `try`, so no Ctrl-C either
         try:
             self._phase(run, [(run, i) for i in range(len(self._greenlets))])
             while not all(status == DONE for status in run.status):
@@ -83,10 +92,14 @@ class ReplicaGreenlets:
             return run.results
         except BaseException:
             with deferred_interrupts():  # every waiting replica unwinds, even under a second Ctrl-C
+                self._restore()
                 self._stop(run)
+                for stack in self._stacks:  # frames an interrupted unwinding left behind
+                    stack[:] = context.new_stack()
             raise
         finally:
-            self._scheduler = self.run = None
+            self._scheduler = self.run = self._message = None
+            self._own = ([], None)
 
     def rendezvous(self, replica_id: int, request: tuple) -> Any:
         """Called by a replica at a collective: hands control back until the merge, returns this replica's share."""
@@ -96,7 +109,7 @@ class ReplicaGreenlets:
         run.requests[replica_id] = request
         run.merge_counts[replica_id] += 1
         with timeline.span(request[0], "merge_call"):
-            self._reply = (WAITING, None)
+            run.status[replica_id] = WAITING
             self._scheduler.switch()
         share, self._message = self._message, None
         return share
@@ -104,41 +117,39 @@ class ReplicaGreenlets:
     def _phase(self, run: Run, messages: list) -> None:
         """Switches to each replica in turn with its message (its job, or its share of the merge)."""
         for i, message in enumerate(messages):
-            status, value = self._switch(i, message)
-            run.status[i] = status
-            if status == DONE:
-                run.results[i] = value
-            elif status == FAILED:
-                run.error, value = (i, value), None  # no local of this frame may hold the error: its traceback
-                raise run.error[1]                     # holds the frame, and the cycle would keep every local
+            self._switch(i, message)
+            if run.status[i] == FAILED:
+                raise run.error[1]  # not bound to a local: its traceback holds this frame, and would keep it
 
     def _stop(self, run: Run) -> None:
         """Unwinds the replicas waiting at a collective (their `finally` blocks run); they report back stopped."""
         run.stopped = True
         for i, status in enumerate(run.status):
-            if status == WAITING:
-                run.status[i] = self._switch(i, None, RequestedStop)[0]
+            if status == WAITING and not self._greenlets[i].dead:
+                self._switch(i, None, RequestedStop)
 
-    def _switch(self, i: int, message: Any, throw: type[BaseException] | None = None) -> tuple[str, Any]:
-        """Runs replica `i` with its own context stack until it switches back; what it reported."""
+    def _switch(self, i: int, message: Any, throw: type[BaseException] | None = None) -> None:
+        """Runs replica `i` with its own context stack until it switches back."""
         replica = self._greenlets[i]
-        if replica.dead:  # killed from outside (a GreenletExit); a replica never ends on its own
+        if replica.dead:  # ended by an exception outside its function (a Ctrl-C between runs, a GreenletExit)
             replica = self._greenlets[i] = self._module.greenlet(self._main)
-        own = context.swap_stack(self._stacks[i])
         tracked = timeline.recording is not None  # then its events go on its replica's track
-        track = timeline.swap_track(f"replica {i}") if tracked else None
-        try:
-            if throw is None:
-                self._message = message
-                replica.switch()
-            else:
-                replica.throw(throw)
-        finally:
-            context.swap_stack(own)
-            if tracked:
-                timeline.swap_track(track)
-        reply, self._reply = self._reply, None
-        return reply
+        context.swap_stack(self._stacks[i])
+        if tracked:
+            timeline.swap_track(f"replica {i}")
+        if throw is None:
+            self._message = message
+            replica.switch()
+        else:
+            replica.throw(throw)
+        context.swap_stack(self._own[0])
+        if tracked:
+            timeline.swap_track(self._own[1])
+
+    def _restore(self) -> None:
+        """Makes the scheduler's context stack and track the thread's again."""
+        context.swap_stack(self._own[0])
+        timeline.swap_track(self._own[1])
 
     def _main(self) -> None:
         """A replica greenlet's life: run its function for each run it is switched to with, report, wait."""
@@ -146,14 +157,17 @@ class ReplicaGreenlets:
             (run, i), self._message = self._message, None
             try:
                 with context.frame(run.strategy, run.contexts[i]), timeline.span("run", "run"):
-                    self._reply = (DONE, run.fn(*run.args[i], **run.kwargs[i]))
+                    result = run.fn(*run.args[i], **run.kwargs[i])
+                run.results[i], run.status[i] = result, DONE
             except RequestedStop:
-                self._reply = (_STOPPED, None)
+                run.status[i] = _STOPPED
             except self._module.GreenletExit:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it from run
-                self._reply = (FAILED, exc)
-            run = None  # keep nothing of a finished run while waiting for the next
+                if run.error is None and not run.stopped:
+                    run.error = (i, exc)
+                run.status[i] = FAILED
+            run = result = None  # keep nothing of a finished run while waiting for the next
             self._scheduler.switch()
 
 

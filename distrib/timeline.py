@@ -167,6 +167,11 @@ def swap_track(name: str | None) -> str | None:
     return previous
 
 
+def track_override() -> str | None:
+    """The track that `swap_track` made the calling thread's, None if none."""
+    return getattr(_track, "name", None)
+
+
 def thread_track() -> str:
     """The calling thread's track: 'replica k' on a replica thread or cooperative replica, else the thread's name."""
     override = getattr(_track, "name", None)

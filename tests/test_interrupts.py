@@ -202,6 +202,27 @@ def test_ctrl_c_during_a_strategys_first_run_leaves_it_whole():
     assert child.finish() == 0
 
 
+def test_ctrl_c_anywhere_in_cooperative_steps_leaves_the_strategy_usable():
+    # hundreds of interrupts a few hundred microseconds apart: some land in the scheduler as a replica switches
+    child = Child("""
+        cooperative = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"],
+                                               replica_execution="cooperative")
+
+        def step():
+            return distrib.get_replica_context().all_reduce("SUM", np.float32(1))
+
+        STEP = lambda: cooperative.run(step)
+        CHECK = lambda: [float(x) for x in cooperative.experimental_local_results(STEP())] == [4.0] * 4
+    """, LOOP.format(interrupts=300, threads=4))
+    assert child.read() == {"ready": True}
+    for _ in range(300):
+        time.sleep(random.uniform(0, 0.002))
+        child.interrupt()
+        assert child.read() == {"equal": True}
+    assert child.read() == {"equal": True, "threads": 4}
+    assert child.finish() == 0
+
+
 def test_outside_blocks_the_program_sees_its_own_sigint_handler_and_a_later_one_is_deferred_too():
     child = Child("""
         import signal
