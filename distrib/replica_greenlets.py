@@ -43,13 +43,10 @@ class ReplicaGreenlets:
 
     def __init__(self, count: int):
         self._module = _greenlet_module()
-        self._greenlets = [self._module.greenlet(self._main) for _ in range(count)]
+        self._mailbox = _Mailbox(self._module.GreenletExit)
+        self._greenlets = [self._module.greenlet(self._mailbox.serve) for _ in range(count)]
         self._stacks = [context.new_stack() for _ in range(count)]  # each replica's context stack
-        self._scheduler: Any = None  # the greenlet running `execute`, switched back to at each collective
         self._own: tuple[list, str | None] = ([], None)  # the scheduler's context stack and timeline track
-        # what the scheduler hands the replica it switches to: passed here rather than through switch(), whose
-        # first call's arguments a greenlet would keep for its whole life
-        self._message: Any = None
         self.run: Run | None = None
 
     def __repr__(self) -> str:
@@ -82,7 +79,7 @@ class ReplicaGreenlets:
             if replica.parent is not scheduler and not replica.dead:
                 replica.parent = scheduler  # where a replica that dies of an interrupt raises it
         self._own = (context.thread_stack(), timeline.track_override())
-        self._scheduler, self.run = scheduler, run  # no call between here and `try`, so no Ctrl-C either
+        self._mailbox.scheduler, self.run = scheduler, run  # no call between here and `try`, so no Ctrl-C either
         try:
             self._phase(run, [(run, i) for i in range(len(self._greenlets))])
             while not all(status == DONE for status in run.status):
@@ -98,7 +95,7 @@ class ReplicaGreenlets:
                     stack[:] = context.new_stack()
             raise
         finally:
-            self._scheduler = self.run = self._message = None
+            self._mailbox.scheduler = self._mailbox.message = self.run = None
             self._own = ([], None)
 
     def rendezvous(self, replica_id: int, request: tuple) -> Any:
@@ -108,10 +105,11 @@ class ReplicaGreenlets:
             raise RequestedStop()
         run.requests[replica_id] = request
         run.merge_counts[replica_id] += 1
+        mailbox = self._mailbox
         with timeline.span(request[0], "merge_call"):
             run.status[replica_id] = WAITING
-            self._scheduler.switch()
-        share, self._message = self._message, None
+            mailbox.scheduler.switch()
+        share, mailbox.message = mailbox.message, None
         return share
 
     def _phase(self, run: Run, messages: list) -> None:
@@ -132,13 +130,13 @@ class ReplicaGreenlets:
         """Runs replica `i` with its own context stack until it switches back."""
         replica = self._greenlets[i]
         if replica.dead:  # ended by an exception outside its function (a Ctrl-C between runs, a GreenletExit)
-            replica = self._greenlets[i] = self._module.greenlet(self._main)
+            replica = self._greenlets[i] = self._module.greenlet(self._mailbox.serve)
         tracked = timeline.recording is not None  # then its events go on its replica's track
         context.swap_stack(self._stacks[i])
         if tracked:
             timeline.swap_track(f"replica {i}")
         if throw is None:
-            self._message = message
+            self._mailbox.message = message
             replica.switch()
         else:
             replica.throw(throw)
@@ -151,24 +149,43 @@ class ReplicaGreenlets:
         context.swap_stack(self._own[0])
         timeline.swap_track(self._own[1])
 
-    def _main(self) -> None:
+
+class _Mailbox:
+    """What the scheduler and the replica greenlets of one thread pass each other, and the replicas' loop.
+
+    Messages pass through attributes rather than switch(), whose first call's arguments a greenlet keeps for its
+    whole life. The idle replicas' frames hold this and nothing else: were they to hold their ReplicaGreenlets,
+    which holds them, no collection could free a thread's replicas once the thread has ended.
+    """
+
+    __slots__ = ("scheduler", "message", "greenlet_exit")
+
+    def __init__(self, greenlet_exit: type[BaseException]):
+        self.scheduler: Any = None  # the greenlet running `execute`, switched back to at each collective
+        self.message: Any = None  # the job or merge share handed to the replica switched to
+        self.greenlet_exit = greenlet_exit
+
+    def __repr__(self) -> str:
+        return f"<_Mailbox {'in a run' if self.scheduler is not None else 'idle'}>"
+
+    def serve(self) -> None:
         """A replica greenlet's life: run its function for each run it is switched to with, report, wait."""
         while True:
-            (run, i), self._message = self._message, None
+            (run, i), self.message = self.message, None
             try:
                 with context.frame(run.strategy, run.contexts[i]), timeline.span("run", "run"):
                     result = run.fn(*run.args[i], **run.kwargs[i])
                 run.results[i], run.status[i] = result, DONE
             except RequestedStop:
                 run.status[i] = _STOPPED
-            except self._module.GreenletExit:
+            except self.greenlet_exit:
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it from run
                 if run.error is None and not run.stopped:
                     run.error = (i, exc)
                 run.status[i] = FAILED
             run = result = None  # keep nothing of a finished run while waiting for the next
-            self._scheduler.switch()
+            self.scheduler.switch()
 
 
 def thread_replicas(local: threading.local, count: int) -> ReplicaGreenlets:

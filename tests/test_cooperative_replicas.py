@@ -227,3 +227,23 @@ def test_nothing_of_a_run_outlives_it_without_a_garbage_collection():
         assert dropped() is None  # the greenlets kept no run, and so no strategy
     finally:
         gc.enable()
+
+
+def test_the_replicas_of_a_thread_end_with_it(strategy):
+    import gc
+    import weakref
+
+    import greenlet
+
+    replicas = []
+
+    def step():
+        replicas.append(weakref.ref(greenlet.getcurrent()))
+        return distrib.get_replica_context().all_reduce("SUM", np.float32(1))
+
+    for _ in range(3):  # a thread that runs the strategy and ends, as a request handler does
+        worker = threading.Thread(target=strategy.run, args=(step,))
+        worker.start()
+        worker.join()
+    gc.collect()
+    assert len(replicas) == 12 and [ref() for ref in replicas] == [None] * 12
