@@ -48,6 +48,7 @@ class ReplicaGreenlets:
         self._stacks = [context.new_stack() for _ in range(count)]  # each replica's context stack
         self._own: tuple[list, str | None] = ([], None)  # the scheduler's context stack and timeline track
         self.run: Run | None = None
+        self.running: int | None = None  # the replica switched to, None while the scheduler runs
 
     def __repr__(self) -> str:
         return f"<ReplicaGreenlets replicas={len(self._greenlets)} {'running' if self.run else 'idle'}>"
@@ -95,7 +96,7 @@ class ReplicaGreenlets:
                     stack[:] = context.new_stack()
             raise
         finally:
-            self._mailbox.scheduler = self._mailbox.message = self.run = None
+            self._mailbox.scheduler = self._mailbox.message = self.run = self.running = None
             self._own = ([], None)
 
     def rendezvous(self, replica_id: int, request: tuple) -> Any:
@@ -135,11 +136,13 @@ class ReplicaGreenlets:
         context.swap_stack(self._stacks[i])
         if tracked:
             timeline.swap_track(f"replica {i}")
+        self.running = i
         if throw is None:
             self._mailbox.message = message
             replica.switch()
         else:
             replica.throw(throw)
+        self.running = None
         context.swap_stack(self._own[0])
         if tracked:
             timeline.swap_track(self._own[1])

@@ -132,6 +132,26 @@ def test_a_run_from_a_merge_fn_runs_and_one_from_a_replica_is_refused(strategy):
         strategy.run(lambda: strategy.run(replica_id))
 
 
+def test_a_run_from_a_thread_that_a_replica_joins_is_refused_naming_the_replica(strategy):
+    errors = []
+
+    def helper():
+        try:
+            strategy.run(lambda: None)
+        except ContextError as exc:
+            errors.append(exc)
+
+    def step():
+        if replica_id() == 1:
+            thread = threading.Thread(target=helper, name="helper")
+            thread.start()
+            thread.join()
+
+    strategy.run(step)
+    assert len(errors) == 1
+    assert f"'{threading.current_thread().name} (replica 1)' waits in Thread.join for 'helper'" in str(errors[0])
+
+
 def test_a_run_with_a_deadline_takes_the_threads(strategy):
     def step():
         if replica_id() == 3:
