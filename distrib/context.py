@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, NamedTuple
 
@@ -17,6 +18,8 @@ class Frame(NamedTuple):
     replica_context: Any
 
 
+# Frame((strategy, replica_context)) without a NamedTuple's Python-level __new__: every run pushes several frames
+_new_frame = functools.partial(tuple.__new__, Frame)
 _default: list[Frame] = []  # [Frame(default strategy, default replica context)], set by strategy.py
 _local = threading.local()
 
@@ -73,7 +76,7 @@ class frame:
     __slots__ = ("_frame", "_stack")
 
     def __init__(self, strategy: Any, replica_context: Any):
-        self._frame = Frame(strategy, replica_context)
+        self._frame = _new_frame((strategy, replica_context))
 
     def __enter__(self) -> None:
         self._stack = _stack()
@@ -156,10 +159,11 @@ def require_cross_replica(api: str, strategy: Any = None, hint: str = "") -> Non
       ContextError (a RuntimeError): called inside the scope of a strategy other than `strategy`, as TensorFlow
         raises RuntimeError.
     """
-    top = current()
-    if top.replica_context is not None and not is_default(top.strategy):
+    top = _stack()[-1]
+    default = bool(_default) and top.strategy is _default[0].strategy
+    if top.replica_context is not None and not default:
         raise ContextError(f"{api} must be called in a cross-replica context (outside Strategy.run, or in a "
                            f"merge_call's merge_fn), not inside a replica function{'; ' + hint if hint else ''}.")
-    if strategy is not None and not is_default(top.strategy) and top.strategy is not strategy:
+    if strategy is not None and not default and top.strategy is not strategy:
         raise ContextError(f"Mixing different distrib strategies is not allowed: {api} of {strategy!r} was called "
                          f"inside {top.strategy!r}'s scope.")

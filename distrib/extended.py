@@ -53,6 +53,7 @@ class StrategyExtended(abc.ABC):
         self._devices = tuple(devices)
         self._cross_device_ops = cross_device_ops
         self._options = communication_options
+        self._host_arrays = backend.xp is np  # emulated devices: an array is on every device already
         self._colocation = threading.local()  # .variable: the one colocate_vars_with is in effect for
 
     @property
@@ -99,7 +100,7 @@ class StrategyExtended(abc.ABC):
         return self._backend
 
     def _require_cross_replica(self, api: str, hint: str = "") -> None:
-        context.require_cross_replica(api, self._container_strategy, hint)
+        context.require_cross_replica(api, self._strategy_ref(), hint)
 
     # -- destinations -----------------------------------------------------------------------------------
 
@@ -156,13 +157,14 @@ class StrategyExtended(abc.ABC):
         # (ids, per-value arrays) reduced in one batch: onto the values' own devices, and onto the host
         all_reduce_batch: tuple[list, list] = ([], [])
         host_batch: tuple[list, list] = ([], [])
-        host_arrays = backend.xp is np  # emulated devices: an array is on every device already
+        host_arrays = self._host_arrays
         for k, (value, destinations) in enumerate(pairs):
             batch = all_reduce_batch if destinations == devices else host_batch if destinations == (HOST,) else None
             if host_arrays and batch is not None and type(value) is PerReplica and \
-                    len(value._values) == len(devices) and all(type(c) is np.ndarray for c in value._values):
+                    len(value._values) == len(devices) and set(map(type, value._values)) == _NDARRAY:
                 arrays = value._values
-                _check_reduce_inputs(arrays, k)
+                if len(arrays) > 1 or arrays[0].dtype not in _REDUCIBLE:  # else nothing to check
+                    _check_reduce_inputs(arrays, k)
                 batch[0].append(k)
                 batch[1].append(arrays)
                 continue
@@ -348,7 +350,7 @@ class StrategyExtended(abc.ABC):
     # -- the ReplicaHost interface (distrib/replica_context.py) ------------------------------------------
 
     def _merged_options(self, options: CommunicationOptions | None) -> CommunicationOptions:
-        return self._options.merge(options)
+        return self._options if options is None else self._options.merge(options)
 
     def _to_replica_device(self, values: Sequence[Any], replica_id: int) -> list[Any]:
         return self._backend.to_device_all(values, self._devices[replica_id])
@@ -386,5 +388,6 @@ def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
                 f"{position}, {array.dtype}{list(array.shape)} vs {first.dtype}{list(first.shape)}.")
 
 
+_NDARRAY = {np.ndarray}
 _REDUCIBLE = {np.dtype(name) for name in ("float16", "float32", "float64", "complex64", "complex128", "int8",
                                            "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}

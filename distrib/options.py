@@ -49,11 +49,22 @@ class ReduceOp(enum.Enum):
     SUM = "SUM"
     MEAN = "MEAN"
 
+    __hash__ = object.__hash__  # members are singletons; Enum's own hash is Python code, run by every plan look-up
+
     @classmethod
     def from_value(cls, value: object) -> "ReduceOp":
         """Converts a ReduceOp, a string naming one, or an enum of the same name (VariableAggregation.SUM,
         TensorFlow's ReduceOp); raises ValueError for any other op."""
-        return coerce_enum(cls, value, "reduce_op", rule="Only SUM and MEAN are supported reduce ops", by_name=True)
+        try:
+            return _REDUCE_OPS[value]  # every collective names its op: one look-up for a member or a name seen before
+        except (KeyError, TypeError):
+            op = coerce_enum(cls, value, "reduce_op", rule="Only SUM and MEAN are supported reduce ops", by_name=True)
+        if type(value) is str:
+            _REDUCE_OPS[value] = op
+        return op
+
+
+_REDUCE_OPS: dict[object, ReduceOp] = {op: op for op in ReduceOp}  # and the names from_value has seen
 
 
 class CommunicationImplementation(enum.Enum):
@@ -67,6 +78,8 @@ class CommunicationImplementation(enum.Enum):
     AUTO = "AUTO"
     RING = "RING"
     NCCL = "NCCL"
+
+    __hash__ = object.__hash__  # as ReduceOp's: a plan look-up hashes it
 
     @classmethod
     def from_value(cls, value: object) -> "CommunicationImplementation":

@@ -74,7 +74,7 @@ class ReplicaContext:
 
     @property
     def _host(self) -> ReplicaHost:
-        return self._strategy.extended
+        return self._strategy._extended  # the attribute, not the property: one call less on every collective
 
     @property
     def strategy(self) -> Any:
@@ -169,10 +169,10 @@ class ReplicaContext:
             check_leaves(arrays, spec)
 
         def merge(payloads: list) -> list:
-            check_same_arguments(kind, [p[2] for p in payloads])
-            layouts = [p[:2] for p in payloads]
-            check_same_layout(kind, layouts, gather_axis=gather_axis)
-            if not layouts[0][1]:
+            if len(payloads) > 1 or gather_axis is not None:  # one replica has nothing to compare with
+                check_same_arguments(kind, [p[2] for p in payloads])
+                check_same_layout(kind, [p[:2] for p in payloads], gather_axis=gather_axis)
+            if not payloads[0][1]:
                 return [[] for _ in payloads]
             return combine([p[1] for p in payloads], options)
 
@@ -185,6 +185,8 @@ class ReplicaContext:
 
 
 def _check_numeric(arrays: list, spec: Any) -> None:
+    if len(arrays) == 1 and arrays[0].dtype.kind not in NOT_REDUCIBLE:  # one array of numbers: the usual value
+        return
     if not all(reducible(dtype) for dtype in {a.dtype for a in arrays}):  # few distinct dtypes
         k = next(k for k, a in enumerate(arrays) if not reducible(a.dtype))
         raise TypeError(f"all_reduce needs numeric values. Received: dtype {arrays[k].dtype} at path "

@@ -282,6 +282,7 @@ class _DefaultExtended(StrategyExtended):
         self._options = CommunicationOptions()
         self._colocation = threading.local()
         self._backend_instance: Backend | None = None
+        self._host_arrays = True  # its backend is the CPU emulator
 
     @property
     def _backend(self) -> Backend:  # created on first use so that importing distrib probes no GPU

@@ -57,6 +57,8 @@ def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> Any:
+    if spec is _LEAF_SPEC and len(leaves) == 1:  # one array: the usual value of a collective
+        return leaves[0]
     return optree.tree_unflatten(spec, leaves)
 
 
@@ -159,7 +161,25 @@ def select_replicas(structure: Any, count: int, exact: bool = True) -> list[Any]
     """
     if _is_empty(structure):  # no args; a merge_fn's None
         return [structure] * count
+    if count == 1 and type(structure) is tuple:  # run()'s args with one local replica (one per process)
+        selected = _one_replica_args(structure, exact)
+        if selected is not None:
+            return [selected]
     return _select(structure, range(count), count, exact=exact)
+
+
+def _one_replica_args(args: tuple, exact: bool) -> tuple | None:
+    """The only replica's `args` when each is a one-component distributed value or an array or number, else None."""
+    selected = []
+    for arg in args:
+        kind = type(arg)
+        if kind in _PLAIN_DISTRIBUTED and (len(arg._values) == 1 or not exact and arg._values):
+            selected.append(arg._values[0])
+        elif kind in _LEAF_TYPES and kind not in _PLAIN_DISTRIBUTED and not isinstance(arg, DistributedValues):
+            selected.append(arg)
+        else:
+            return None
+    return tuple(selected)
 
 
 def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool = False,
@@ -237,12 +257,12 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
       ValueError: the replicas' structures differ; the message names the replica and the path.
     """
     first = per_replica[0]
+    kind = type(first)
+    if len(per_replica) == 1 and not always_wrap and kind in _LEAF_TYPES:  # one replica's array: itself
+        return first
     if _is_empty(first) and all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine
         return {} if type(first) is dict else first
-    kind = type(first)
     if len(per_replica) == 1 and not always_wrap:  # every leaf is "the same object everywhere": itself
-        if kind in _LEAF_TYPES:
-            return first
         leaves, spec = flatten(first)
         return unflatten(spec, leaves)
     if kind in _LEAF_TYPES and len(per_replica) > 1 and per_replica[1] is not first and \

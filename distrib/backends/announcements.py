@@ -15,6 +15,7 @@ host runs more ranks than it has cores, and naps once a peer is more than `SPIN_
 from __future__ import annotations
 
 import array
+import functools
 import os
 import threading
 import time
@@ -39,6 +40,7 @@ class InCall(NamedTuple):
     timeout: float | None
 
 
+_in_call = functools.partial(tuple.__new__, InCall)  # InCall((...)) without the Python-level __new__ of a NamedTuple
 class Channel:
     """An ordered stream of collectives on a communicator of its own, issued by one thread at a time.
 
@@ -75,8 +77,8 @@ class Channel:
         self._stamps: list[array.array] = []  # their buffers
         self._lock = threading.Lock()
 
-    def run(self, what: str, call: Callable[[], Any], timeout: float | None) -> None:
-        """Announces collective `what`, waits until every peer has announced it, then makes it (`call()`).
+    def run(self, what: str, call: Callable[..., Any], timeout: float | None, *args: Any) -> None:
+        """Announces collective `what`, waits until every peer has announced it, then makes it (`call(*args)`).
 
         Raises:
           DeadlineExceededError: naming the ranks that never announced it within `timeout` seconds.
@@ -88,9 +90,9 @@ class Channel:
             self._announce()
             if self._missing():
                 self._wait_for_peers(what, timeout)
-            self.in_call = InCall(what, self.sequence, time.monotonic(), timeout)
+            self.in_call = _in_call((what, self.sequence, time.monotonic(), timeout))
             try:
-                call()
+                call(*args)
             finally:
                 self.in_call = None
 

@@ -71,14 +71,14 @@ class ProcessGroup:
         if self.size > 1:
             self.watchdog.start()
 
-    def run(self, what: str, call: Any, timeout: float | None) -> None:
-        """Runs collective `what` on `comm`: once every rank has reached it, `call()` makes the MPI call(s).
+    def run(self, what: str, call: Any, timeout: float | None, *args: Any) -> None:
+        """Runs collective `what` on `comm`: once every rank has reached it, `call(*args)` makes the MPI call(s).
 
         Raises:
           DeadlineExceededError: naming the ranks that never reached it within `timeout` seconds.
           WorkerFailedError: the job already failed.
         """
-        self._collectives.run(what, call, timeout)
+        self._collectives.run(what, call, timeout, *args)
 
     def announce(self) -> int:
         """Announces the next collective on `comm` without waiting for the peers; its number (see `missing`).
