@@ -7,6 +7,7 @@ bounds every pack of every op (TensorFlow ignores it for NCCL, which led to out-
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -17,6 +18,9 @@ from distrib.batched_gather import batch_all_gather
 from distrib import plan as planner
 from distrib.devices import HOST
 from distrib.options import CommunicationImplementation, CommunicationOptions, ReduceOp
+
+
+_SPEC = operator.attrgetter("shape", "dtype")  # a value's (shape, dtype), for plan look-ups
 
 
 class CrossDeviceOps:
@@ -158,8 +162,8 @@ class _PackedAllReduce(CrossDeviceOps):
         return plan
 
     def batch_all_reduce(self, backend, op, per_replica, devices, options):
-        plan = self.all_reduce_plan([(v.shape, v.dtype) for v in per_replica[0]], op, len(devices), options)
-        return backend.execute(plan, per_replica, list(devices), timeout=options.timeout)
+        plan = self.all_reduce_plan(list(map(_SPEC, per_replica[0])), op, len(devices), options)
+        return backend.execute(plan, per_replica, list(devices), timeout=options.timeout_seconds or None)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_packs={self.num_packs})"

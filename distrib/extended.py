@@ -116,14 +116,9 @@ class StrategyExtended(abc.ABC):
         A `Mirrored` value with MEAN is returned unchanged; a plain value with MEAN too; a plain value with SUM
         on more than one replica raises ValueError (it would be counted once per replica).
         """
-        self._require_cross_replica("reduce_to")
+        context.require_cross_replica("reduce_to", self._strategy_ref())
         op = ReduceOp.from_value(reduce_op)
-        return self._reduce_to(op, value, self._destinations(destinations), options)
-
-    def _reduce_to(self, op: ReduceOp, value: Any, destinations: tuple[str, ...],
-                   options: CommunicationOptions | None) -> Any:
-        (result,) = self._batch_reduce_to(op, [(value, destinations)], options)
-        return result
+        return self._batch_reduce_to(op, [(value, resolve_destinations(destinations, self._devices))], options)[0]
 
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
                         options: CommunicationOptions | None = None) -> list:
@@ -191,7 +186,7 @@ class StrategyExtended(abc.ABC):
                                                                            destinations))
         ids, values = all_reduce_batch
         if ids:
-            per_replica = [list(column) for column in zip(*values)]
+            per_replica = list(map(list, zip(*values)))
             reduced = self._cross_device_ops.batch_all_reduce(backend, op, per_replica, devices, options)
             for k, arrays in zip(ids, zip(*reduced)):
                 results[k] = Mirrored(arrays)

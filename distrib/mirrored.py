@@ -39,6 +39,9 @@ from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
 from distrib.values import regroup, select_replicas
 
+# this process's id, kept current in a forked child: every run checks it, and os.getpid() is a system call
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
 _POLL_SECONDS = 0.05
 _UNWIND_SECONDS = 0.1  # how long an interrupted run waits for its replicas to unwind before replacing threads
 
@@ -59,7 +62,7 @@ class MirroredExtended(StrategyExtended):
         self._inline: ReplicaContext | None = None  # the replica context of a run on the calling thread
         self._merge_error: BaseException | None = None  # the last error a merge raised in that run
         self._default_timeout = default_timeout()
-        self._pid = os.getpid()
+        self._pid = _PID[0]
         self._closed = False
         # the strategy holds no reference cycle, so dropping it ends its threads at once
         self._finalizer = weakref.finalize(container_strategy, retire_all, self._threads)
@@ -73,8 +76,8 @@ class MirroredExtended(StrategyExtended):
         return "cooperative" if self._cooperative else "threads"
 
     def _ensure_threads(self) -> list[ReplicaThread]:
-        if self._pid != os.getpid():  # forked: the threads stayed in the parent process
-            self._pid = os.getpid()
+        if self._pid != _PID[0]:  # forked: the threads stayed in the parent process
+            self._pid = _PID[0]
             self._threads.clear()
         if not self._threads:
             with deferred_interrupts():  # all of them or none: a run on some would wait for the others for good
@@ -86,7 +89,7 @@ class MirroredExtended(StrategyExtended):
             raise ContextError("Strategy.close cannot be called inside the strategy's own run.")
         with self._run_lock:
             self._closed = True
-            if self._pid == os.getpid():
+            if self._pid == _PID[0]:
                 retire_all(self._threads)
 
     def _call_for_each_replica(self, fn, args, kwargs, options: RunOptions | None = None):
@@ -107,14 +110,14 @@ class MirroredExtended(StrategyExtended):
                 return self._run(fn, args, kwargs, threads, deadline)
             finally:
                 retire_all(threads)
-        if self._pid != os.getpid():  # forked during another thread's run: that thread and its lock are gone
+        if self._pid != _PID[0]:  # forked during another thread's run: that thread and its lock are gone
             self._run_lock, self._running_thread = threading.Lock(), None
         wait = self._default_timeout if run_timeout is None else run_timeout
         acquired = False
         try:
             while not acquired:
                 with deferred_interrupts():  # so that a Ctrl-C cannot land between taking the lock and `acquired`
-                    acquired = self._run_lock.acquire(timeout=_POLL_SECONDS)
+                    acquired = self._run_lock.acquire(False) or self._run_lock.acquire(timeout=_POLL_SECONDS)
                 if not acquired:
                     self._refuse_a_run_that_would_wait_forever()
                 if not acquired and time.monotonic() - started >= wait:
@@ -224,27 +227,21 @@ class MirroredExtended(StrategyExtended):
         if kwargs:
             kwargs = select_replicas(kwargs, 1)[0]
         outer, self._inline = self._inline, replica
+        stack = context.push(strategy, replica)
         try:
-            with self._backend.device_scope(self._devices[0]), context.frame(strategy, replica):
+            if self._host_arrays:  # emulated devices have no current device to set
                 result = fn(*args, **kwargs)
+            else:
+                with self._backend.device_scope(self._devices[0]):
+                    result = fn(*args, **kwargs)
         except BaseException as exc:
             if not isinstance(exc, KeyboardInterrupt) and exc is not self._merge_error:
                 name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
             raise
         finally:
+            stack.pop()
             self._inline, self._merge_error = outer, None
         return regroup([result])
-
-    def _merge_inline(self, kind: str, merge: Any, payload: Any) -> Any:
-        try:
-            with context.frame(self._strategy_ref(), None):
-                if timeline.recording is None:
-                    return merge([payload])[0]
-                with timeline.span(kind, "merge_call"):
-                    return merge([payload])[0]
-        except BaseException as exc:
-            self._merge_error = exc
-            raise
 
     def _wait_for_phase(self, run: Run, threads: list[ReplicaThread]) -> None:
         while not run.phase_done.acquire(timeout=_POLL_SECONDS):
@@ -329,7 +326,7 @@ class MirroredExtended(StrategyExtended):
         its sums as a merge does; they are taken only for a call big enough to split, and only while no run holds
         them. Inside a merge the merge's own team stays lent; one thread has nothing to split with, a forked
         child no threads; then no context is entered at all (it would cost ~10 µs a call)."""
-        if len(self._threads) < 2 or lent_team() is not None or self._pid != os.getpid():
+        if len(self._threads) < 2 or lent_team() is not None or self._pid != _PID[0]:
             return reduction(*args)
         with lend(IdleThreadsTeam(self._threads, self._run_lock)):
             return reduction(*args)
@@ -337,8 +334,18 @@ class MirroredExtended(StrategyExtended):
     def _rendezvous(self, replica_id, kind, merge, payload, options):
         inline = self._inline
         if inline is not None and self._running_thread == threading.get_ident() and \
-                context.current().replica_context is inline:
-            return self._merge_inline(kind, merge, payload)
+                context.get_replica_context() is inline:  # a run on the calling thread: the merge runs at once
+            stack = context.push(self._strategy_ref(), None)  # cross-replica
+            try:
+                if timeline.recording is None:
+                    return merge([payload])[0]
+                with timeline.span(kind, "merge_call"):
+                    return merge([payload])[0]
+            except BaseException as exc:
+                self._merge_error = exc  # `_run_inline` leaves it unnamed, as `_merge` does
+                raise
+            finally:
+                stack.pop()
         cooperative = self._cooperative_run
         if cooperative is not None and cooperative.in_replica(replica_id):
             return cooperative.rendezvous(replica_id, (kind, merge, payload, options.timeout))

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import enum
+import functools
 import numbers
+import operator
 from typing import Any, Callable, Protocol, Sequence
 
 from distrib import context
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, ReduceOp
-from distrib.values import flatten, format_path, regroup, select_replicas, structure_mismatch, unflatten
+from distrib.values import (LEAF_SPEC, flatten, format_path, regroup, select_replicas, structure_mismatch,
+                            unflatten)
+
+_ARRAYS = operator.itemgetter(1)  # a collective's payload: (spec, arrays, arguments)
 
 # Array kinds that cannot be summed: bool (NumPy's + is logical or), objects, bytes, strings, void.
 NOT_REDUCIBLE = "bOSUV"
@@ -131,10 +136,11 @@ class ReplicaContext:
         Raises:
           CollectiveMismatchError (a ValueError): replicas passed different structures, shapes or dtypes.
         """
-        self._require_current("all_reduce")
+        if context.get_replica_context() is not self:
+            self._require_current("all_reduce")
         op = ReduceOp.from_value(reduce_op)
         return self._collective("all_reduce", value, options, _check_numeric,
-                                lambda per_replica, merged: self._host._batch_all_reduce(op, per_replica, merged),
+                                functools.partial(self._strategy._extended._batch_all_reduce, op),
                                 arguments=(("reduce_op", op),))
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
@@ -161,7 +167,7 @@ class ReplicaContext:
         Every replica takes part even with nothing to send, so that one replica's empty value is an error
         naming it rather than a rendezvous the others wait at alone.
         """
-        host = self._host
+        host = self._strategy._extended  # not `_host`: a call less
         options = host._merged_options(options)
         leaves, spec = flatten(value)
         arrays = host._to_replica_device(leaves, self._replica_id) if leaves else []
@@ -174,10 +180,11 @@ class ReplicaContext:
                 check_same_layout(kind, [p[:2] for p in payloads], gather_axis=gather_axis)
             if not payloads[0][1]:
                 return [[] for _ in payloads]
-            return combine([p[1] for p in payloads], options)
+            return combine(list(map(_ARRAYS, payloads)), options)
 
         payload = (spec, arrays, arguments + (("options", options),))
-        return unflatten(spec, host._rendezvous(self._replica_id, kind, merge, payload, options))
+        results = host._rendezvous(self._replica_id, kind, merge, payload, options)
+        return results[0] if spec is LEAF_SPEC and len(results) == 1 else unflatten(spec, results)
 
     def __repr__(self) -> str:
         return (f"<ReplicaContext replica_id_in_sync_group={self.replica_id_in_sync_group} "

@@ -60,13 +60,17 @@ class Strategy:
 
     def _enter_scope(self) -> context.frame:
         """The frame that `scope()` pushes: this strategy, keeping the replica context if it is already current."""
-        top = context.current()
+        return context.frame(self, self._scope_replica_context(context.current()))
+
+    def _scope_replica_context(self, top: context.Frame) -> Any:
+        """The replica context of the frame `scope()` pushes over `top`: top's if this strategy is current already,
+        else None (cross-replica)."""
         if top.strategy is self:
-            return context.frame(self, top.replica_context)
+            return top.replica_context
         if not context.is_default(top.strategy):
             raise ContextError(f"Mixing different distrib strategies is not allowed: {self!r} was entered inside "
                              f"{top.strategy!r}.")
-        return context.frame(self, None)
+        return None
 
     # -- running replicas -------------------------------------------------------------------------------
 
@@ -95,8 +99,11 @@ class Strategy:
         if top.strategy is self and top.replica_context is not None and not context.is_default(self):
             raise ContextError("Strategy.run cannot be called inside a replica function of the same strategy "
                                "(nested run). Call it from the cross-replica context.")
-        with self._enter_scope():
+        stack = context.push(self, self._scope_replica_context(top))  # as `with self._enter_scope()`, in fewer calls
+        try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), options)
+        finally:
+            stack.pop()
 
     def close(self) -> None:
         """Ends the strategy's replica threads; `run` raises ContextError afterwards. Closing twice is fine.

@@ -22,7 +22,7 @@ _LEAF_TYPES: set[type] = {int, float, complex, bool, str, bytes}
 _FLAT_SPECS: dict[tuple[type, int], optree.PyTreeSpec] = {}
 _DICT_SPECS: dict[tuple[str, ...], tuple[optree.PyTreeSpec, list[str]]] = {}
 _SPECS_KEPT = 256  # each cache is emptied when full: keys that change every step (metrics by step) must not grow it
-_LEAF_SPEC = optree.tree_structure(0, namespace=_NAMESPACE)
+LEAF_SPEC = optree.tree_structure(0, namespace=_NAMESPACE)  # what flatten gives for one leaf
 
 
 def register_leaf_type(cls: type) -> None:
@@ -34,7 +34,7 @@ def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Leaves of a nested structure and the spec that rebuilds it."""
     kind = type(structure)
     if kind in _LEAF_TYPES:  # one array: the usual argument and result of a step
-        return [structure], _LEAF_SPEC
+        return [structure], LEAF_SPEC
     if (kind is list or kind is tuple) and _LEAF_TYPES.issuperset(map(type, structure)):  # the test runs in C
         key = (kind, len(structure))
         spec = _FLAT_SPECS.get(key)
@@ -57,7 +57,7 @@ def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Sequence[Any]) -> Any:
-    if spec is _LEAF_SPEC and len(leaves) == 1:  # one array: the usual value of a collective
+    if spec is LEAF_SPEC and len(leaves) == 1:  # one array: the usual value of a collective
         return leaves[0]
     return optree.tree_unflatten(spec, leaves)
 
@@ -159,7 +159,7 @@ def select_replicas(structure: Any, count: int, exact: bool = True) -> list[Any]
 
     Raises ValueError when a distributed leaf has not exactly `count` components (with `exact`; else fewer).
     """
-    if _is_empty(structure):  # no args; a merge_fn's None
+    if structure is None or (type(structure) in (tuple, dict) and not structure):  # no args; a merge_fn's None
         return [structure] * count
     if count == 1 and type(structure) is tuple:  # run()'s args with one local replica (one per process)
         selected = _one_replica_args(structure, exact)

@@ -187,6 +187,7 @@ def _sum_shared(flats: Sequence[np.ndarray], out: np.ndarray, divisor: int | Non
 
 
 _NO_SCOPE = contextlib.nullcontext()
+_NDARRAY = {np.ndarray}
 
 
 def _one_buffer(first: np.ndarray, others: Sequence[np.ndarray]) -> bool:
@@ -241,6 +242,8 @@ class CpuBackend(Backend):
         return to_numpy(value)
 
     def to_device_all(self, values, device):
+        if set(map(type, values)) == _NDARRAY:  # arrays already (the usual values of a step): nothing to convert
+            return list(values)
         return [v if type(v) is np.ndarray else to_numpy(v) for v in values]
 
     prefetch_to_device = to_device_all  # emulated devices share host memory: nothing to copy ahead

@@ -122,7 +122,8 @@ class MpiBackend(CpuBackend):
         if mpi_type is None or not flat.flags.c_contiguous:
             return None
         total = self._pool.like(flat)
-        self.group.run(what, self.group.comm.Allreduce, timeout, [flat, mpi_type], [total, mpi_type], wire[1])
+        self.group.collectives.run(what, self.group.comm.Allreduce, timeout, [flat, mpi_type], [total, mpi_type],
+                                   wire[1])
         return total
 
     def _summed(self, flats: Sequence[np.ndarray], bounds: Sequence[tuple[int, int]], what: str,
@@ -149,7 +150,8 @@ class MpiBackend(CpuBackend):
                 np.copyto(total, wire, casting="unsafe")
 
     def execute(self, plan: AllReducePlan, per_device, devices, *, timeout=None):
-        self._refuse_nccl(plan, devices)
+        if plan.method == NCCL:
+            self._refuse_nccl(devices)
         count = self.group.num_replicas
         buffers = plan.packing.buffers
         if len(per_device) == 1 and len(buffers) == 1 and len(buffers[0].members) == 1 and \
@@ -184,11 +186,10 @@ class MpiBackend(CpuBackend):
                     out[member.index] = array
         return results
 
-    def _refuse_nccl(self, plan: AllReducePlan, devices) -> None:
-        if plan.method == NCCL:
-            raise BackendUnavailableError(
-                f"CommunicationImplementation.NCCL needs NCCL between GPUs, but this job runs on the CPU emulator "
-                f"over MPI. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices.")
+    def _refuse_nccl(self, devices) -> None:
+        raise BackendUnavailableError(
+            f"CommunicationImplementation.NCCL needs NCCL between GPUs, but this job runs on the CPU emulator "
+            f"over MPI. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices.")
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         total = self._summed(flats, chunks, "all_reduce", timeout)

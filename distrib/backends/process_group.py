@@ -61,10 +61,10 @@ class ProcessGroup:
         self.num_replicas = sum(self.replica_counts)
         self.broken: BaseException | None = None
         oversubscribed = self.hosts.count(self.hosts[self.rank]) > (os.cpu_count() or 1)
-        self._collectives = Channel(self, "collectives", oversubscribed)
+        self.collectives = Channel(self, "collectives", oversubscribed)  # `run`'s (hot paths call its `run` directly)
         self._input = Channel(self, "input checks", oversubscribed)
-        self.channels = (self._collectives, self._input)
-        self.comm = self._collectives.comm  # the communicator `run`'s collectives use
+        self.channels = (self.collectives, self._input)
+        self.comm = self.collectives.comm  # the communicator `run`'s collectives use
         _GROUPS.add(self)
         _install_handlers()
         self.watchdog = CallWatchdog(self)
@@ -78,23 +78,23 @@ class ProcessGroup:
           DeadlineExceededError: naming the ranks that never reached it within `timeout` seconds.
           WorkerFailedError: the job already failed.
         """
-        self._collectives.run(what, call, timeout, *args)
+        self.collectives.run(what, call, timeout, *args)
 
     def announce(self) -> int:
         """Announces the next collective on `comm` without waiting for the peers; its number (see `missing`).
 
         For collectives launched asynchronously on another transport (NCCL): they do not block here.
         """
-        return self._collectives.announce()
+        return self.collectives.announce()
 
     def missing(self, sequence: int) -> tuple[int, ...]:
         """The ranks that have not announced collective `sequence` on `comm` (from `run` or `announce`) yet."""
-        return self._collectives.missing(sequence)
+        return self.collectives.missing(sequence)
 
     def missing_error(self, what: str, limit: float, sequence: int, missing: tuple[int, ...],
                       detail: str = "") -> BaseException:
         """The DeadlineExceededError of collective #`sequence` that `missing` never reached; the group is broken."""
-        self.broken = missing_error(self._collectives, what, limit, sequence, missing, detail)
+        self.broken = missing_error(self.collectives, what, limit, sequence, missing, detail)
         return self.broken
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
