@@ -162,7 +162,10 @@ class _PackedAllReduce(CrossDeviceOps):
         return plan
 
     def batch_all_reduce(self, backend, op, per_replica, devices, options):
-        plan = self.all_reduce_plan(list(map(_SPEC, per_replica[0])), op, len(devices), options)
+        specs = tuple(map(_SPEC, per_replica[0]))
+        plan = self._plans.get((specs, op, len(devices), options.bytes_per_pack, options.implementation))  # as
+        if plan is None:  # all_reduce_plan looks it up, without its call: every step asks for the same plan
+            plan = self.all_reduce_plan(specs, op, len(devices), options)
         return backend.execute(plan, per_replica, list(devices), timeout=options.timeout_seconds or None)
 
     def __repr__(self) -> str:

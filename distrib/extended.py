@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import math
+import operator
 import threading
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -148,18 +149,20 @@ class StrategyExtended(abc.ABC):
                          options: CommunicationOptions | None) -> list:
         options = self._merged_options(options)
         backend, devices = self._backend, self._devices
+        if len(pairs) == 1 and pairs[0][1] == devices:  # one value onto its own devices: a step's usual reduce_to,
+            arrays = self._host_components(pairs[0][0], 0)  # without the batching below
+            if arrays is not None:
+                reduced = self._cross_device_ops.batch_all_reduce(backend, op, list(map(list, zip(arrays))),
+                                                                  devices, options)
+                return [Mirrored(list(map(_FIRST, reduced)))]
         results: list[Any] = [None] * len(pairs)
         # (ids, per-value arrays) reduced in one batch: onto the values' own devices, and onto the host
         all_reduce_batch: tuple[list, list] = ([], [])
         host_batch: tuple[list, list] = ([], [])
-        host_arrays = self._host_arrays
         for k, (value, destinations) in enumerate(pairs):
             batch = all_reduce_batch if destinations == devices else host_batch if destinations == (HOST,) else None
-            if host_arrays and batch is not None and type(value) is PerReplica and \
-                    len(value._values) == len(devices) and set(map(type, value._values)) == _NDARRAY:
-                arrays = value._values
-                if len(arrays) > 1 or arrays[0].dtype not in _REDUCIBLE:  # else nothing to check
-                    _check_reduce_inputs(arrays, k)
+            arrays = None if batch is None else self._host_components(value, k)
+            if arrays is not None:
                 batch[0].append(k)
                 batch[1].append(arrays)
                 continue
@@ -196,6 +199,17 @@ class StrategyExtended(abc.ABC):
             for k, array in zip(ids, self._cross_device_ops.batch_reduce_to_host(backend, op, per_replica, devices)):
                 results[k] = Mirrored([array])
         return results
+
+    def _host_components(self, value: Any, position: int) -> tuple | None:
+        """The components of `value`, checked, when it is a PerReplica of NumPy arrays on the emulated devices
+        (which need no placement); else None, for the general route."""
+        if self._host_arrays and type(value) is PerReplica and len(value._values) == len(self._devices) and \
+                set(map(type, value._values)) == _NDARRAY:
+            arrays = value._values
+            if len(arrays) > 1 or arrays[0].dtype not in _REDUCIBLE:  # else nothing to check
+                _check_reduce_inputs(arrays, position)
+            return arrays
+        return None
 
     def _local_components(self, value: Any) -> tuple | None:
         """This process's per-replica components of a value to reduce; None for a value that is not distributed."""
@@ -384,5 +398,6 @@ def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
 
 
 _NDARRAY = {np.ndarray}
+_FIRST = operator.itemgetter(0)
 _REDUCIBLE = {np.dtype(name) for name in ("float16", "float32", "float64", "complex64", "complex128", "int8",
                                            "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}

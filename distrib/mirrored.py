@@ -37,7 +37,7 @@ from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, Requ
                                      executing_worker, name_replica, retire_all, wake_all)
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
-from distrib.values import regroup, select_replicas
+from distrib.values import LEAF_TYPES, regroup, select_replicas
 
 # this process's id, kept current in a forked child: every run checks it, and os.getpid() is a system call
 _PID = [os.getpid()]
@@ -241,7 +241,7 @@ class MirroredExtended(StrategyExtended):
         finally:
             stack.pop()
             self._inline, self._merge_error = outer, None
-        return regroup([result])
+        return result if type(result) in LEAF_TYPES else regroup([result])  # one array: regroup's first rule
 
     def _wait_for_phase(self, run: Run, threads: list[ReplicaThread]) -> None:
         while not run.phase_done.acquire(timeout=_POLL_SECONDS):

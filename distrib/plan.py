@@ -234,6 +234,17 @@ class AllReducePlan:
     num_devices: int
     roots: tuple[tuple[int, int], ...] = ()
 
+    @functools.cached_property
+    def single(self) -> tuple[str, tuple[int, ...] | None, bool] | None:
+        """For a plan that moves one value in one call (a step's usual all-reduce): its dtype name, the shape to
+        give the flat result (None: 1-D already) and whether MEAN divides it in place (a float); else None.
+        Worked out once per plan, for backends' shortcuts, rather than at every step."""
+        buffers = self.packing.buffers
+        if len(buffers) != 1 or len(buffers[0].members) != 1 or len(buffers[0].chunks) != 1:
+            return None
+        dtype = buffers[0].dtype
+        return dtype, buffers[0].views[0][1], self.mean and dtype.startswith(FLOAT_PREFIXES)
+
 
 def hierarchical_roots(num_chunks: int, num_devices: int) -> tuple[tuple[int, int], ...]:
     """TensorFlow's choice of summing devices for hierarchical copy: chunk k sums on m0 = k % n, in its half,

@@ -18,7 +18,7 @@ _NAMESPACE = "distrib"
 
 # Types that are never nodes; a flat list or tuple of only these skips optree's per-leaf dispatch (~150 ns a
 # leaf), which matters when a step all-reduces hundreds of gradients.
-_LEAF_TYPES: set[type] = {int, float, complex, bool, str, bytes}
+LEAF_TYPES: set[type] = {int, float, complex, bool, str, bytes}
 _FLAT_SPECS: dict[tuple[type, int], optree.PyTreeSpec] = {}
 _DICT_SPECS: dict[tuple[str, ...], tuple[optree.PyTreeSpec, list[str]]] = {}
 _SPECS_KEPT = 256  # each cache is emptied when full: keys that change every step (metrics by step) must not grow it
@@ -27,15 +27,15 @@ LEAF_SPEC = optree.tree_structure(0, namespace=_NAMESPACE)  # what flatten gives
 
 def register_leaf_type(cls: type) -> None:
     """Marks `cls` as a leaf type for the fast path (array classes register themselves here)."""
-    _LEAF_TYPES.add(cls)
+    LEAF_TYPES.add(cls)
 
 
 def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Leaves of a nested structure and the spec that rebuilds it."""
     kind = type(structure)
-    if kind in _LEAF_TYPES:  # one array: the usual argument and result of a step
+    if kind in LEAF_TYPES:  # one array: the usual argument and result of a step
         return [structure], LEAF_SPEC
-    if (kind is list or kind is tuple) and _LEAF_TYPES.issuperset(map(type, structure)):  # the test runs in C
+    if (kind is list or kind is tuple) and LEAF_TYPES.issuperset(map(type, structure)):  # the test runs in C
         key = (kind, len(structure))
         spec = _FLAT_SPECS.get(key)
         if spec is None:
@@ -44,7 +44,7 @@ def flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
             spec = _FLAT_SPECS[key] = optree.tree_structure(kind([0] * len(structure)), namespace=_NAMESPACE)
         return list(structure), spec
     if kind is dict and all(type(k) is str for k in structure) and \
-            _LEAF_TYPES.issuperset(map(type, structure.values())):  # e.g. {"x": ..., "y": ...} batches
+            LEAF_TYPES.issuperset(map(type, structure.values())):  # e.g. {"x": ..., "y": ...} batches
         keys = tuple(structure)
         cached = _DICT_SPECS.get(keys)
         if cached is None:
@@ -175,7 +175,7 @@ def _one_replica_args(args: tuple, exact: bool) -> tuple | None:
         kind = type(arg)
         if kind in _PLAIN_DISTRIBUTED and (len(arg._values) == 1 or not exact and arg._values):
             selected.append(arg._values[0])
-        elif kind in _LEAF_TYPES and kind not in _PLAIN_DISTRIBUTED and not isinstance(arg, DistributedValues):
+        elif kind in LEAF_TYPES and kind not in _PLAIN_DISTRIBUTED and not isinstance(arg, DistributedValues):
             selected.append(arg)
         else:
             return None
@@ -190,7 +190,7 @@ def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool 
         if problem is not None:
             raise ValueError(f"{problem} at path {format_path(path)}.")
         return [structure._values[i] for i in replica_ids]
-    if type(structure) in _LEAF_TYPES and not isinstance(structure, DistributedValues):  # the same everywhere
+    if type(structure) in LEAF_TYPES and not isinstance(structure, DistributedValues):  # the same everywhere
         return [structure] * len(replica_ids)
     if type(structure) is tuple and any(type(x) is not PerReplica for x in structure):
         # run()'s args: each argument on its own keeps a flat list of per-replica values on the fast path
@@ -258,14 +258,14 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     """
     first = per_replica[0]
     kind = type(first)
-    if len(per_replica) == 1 and not always_wrap and kind in _LEAF_TYPES:  # one replica's array: itself
+    if len(per_replica) == 1 and not always_wrap and kind in LEAF_TYPES:  # one replica's array: itself
         return first
     if _is_empty(first) and all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine
         return {} if type(first) is dict else first
     if len(per_replica) == 1 and not always_wrap:  # every leaf is "the same object everywhere": itself
         leaves, spec = flatten(first)
         return unflatten(spec, leaves)
-    if kind in _LEAF_TYPES and len(per_replica) > 1 and per_replica[1] is not first and \
+    if kind in LEAF_TYPES and len(per_replica) > 1 and per_replica[1] is not first and \
             all(type(x) is kind for x in per_replica):  # one distinct array per replica: the usual result of a run
         return wrap_class._wrap(tuple(per_replica))
     first_leaves, spec = flatten(first)
@@ -279,7 +279,7 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     out = []
     for values in zip(*columns):
         first = values[0]
-        if len(values) > 1 and values[1] is not first and type(first) in _LEAF_TYPES:
+        if len(values) > 1 and values[1] is not first and type(first) in LEAF_TYPES:
             out.append(wrap_class._wrap(values))  # the common case: distinct arrays, no variable components
         else:
             out.append(_regroup_leaf(values, wrap_class, always_wrap))

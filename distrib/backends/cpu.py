@@ -79,19 +79,15 @@ class BufferPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.MIN_BYTES:
             return np.empty(shape, dtype)
-        typed = self._base(nbytes).view(dtype)
+        typed = self.take(nbytes).view(dtype)
         return typed if len(shape) == 1 else typed.reshape(shape)  # 1-D: reshaping costs microseconds more right
         # after a transfer has evicted the interpreter's working set from the caches
 
-    def like(self, array: np.ndarray) -> np.ndarray:
-        """A 1-D buffer of `array`'s size and dtype: `empty((array.size,), array.dtype)` with a third less work."""
-        nbytes = array.nbytes
+    def take(self, nbytes: int) -> np.ndarray:
+        """`nbytes` bytes (uint8) to view as any dtype: an idle pooled base (a new one if none is idle), or a fresh
+        array below MIN_BYTES; the caller's reference (or its view's) keeps it taken."""
         if nbytes < self.MIN_BYTES:
-            return np.empty(array.size, array.dtype)
-        return self._base(nbytes).view(array.dtype)
-
-    def _base(self, nbytes: int) -> np.ndarray:
-        """An idle pooled base of `nbytes` bytes (a new one if none is idle); the caller's reference keeps it taken."""
+            return np.empty(nbytes, np.uint8)
         with self._lock:
             bases = self._bases.setdefault(nbytes, [])
             for base in bases:

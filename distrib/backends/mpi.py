@@ -121,7 +121,7 @@ class MpiBackend(CpuBackend):
         mpi_type = wire[0]
         if mpi_type is None or not flat.flags.c_contiguous:
             return None
-        total = self._pool.like(flat)
+        total = self._pool.take(flat.nbytes).view(flat.dtype)  # 1-D, no shape arithmetic: `empty` does more
         self.group.collectives.run(what, self.group.comm.Allreduce, timeout, [flat, mpi_type], [total, mpi_type],
                                    wire[1])
         return total
@@ -153,20 +153,19 @@ class MpiBackend(CpuBackend):
         if plan.method == NCCL:
             self._refuse_nccl(devices)
         count = self.group.num_replicas
-        buffers = plan.packing.buffers
-        if len(per_device) == 1 and len(buffers) == 1 and len(buffers[0].members) == 1 and \
-                len(buffers[0].chunks) == 1:  # one array of one local replica: the usual multi-worker call
-            value = per_device[0][0]
+        single = plan.single
+        if single is not None and len(per_device) == 1:  # one array of one local replica: the usual multi-worker
+            value = per_device[0][0]  # call, straight from the array into the result
             total = self._sum_whole(value, "all_reduce", timeout) if type(value) is np.ndarray and \
-                value.dtype == buffers[0].dtype else None
+                value.dtype == single[0] else None
             if total is not None:
-                float_mean = plan.mean and buffers[0].dtype.startswith(FLOAT_PREFIXES)
+                _, shape, float_mean = single
                 if float_mean:
                     np.true_divide(total, count, out=total)
                 total.setflags(write=False)  # read-only, as TensorFlow's tensors are
-                shape = buffers[0].views[0][1]
                 result = total if shape is None else total.reshape(shape)
                 return [[np.asarray(result / count) if plan.mean and not float_mean else result]]
+        buffers = plan.packing.buffers
         reductions = [self._reduction([self.pack([values[m.index] for m in buffer.members], buffer, device)
                                        for values, device in zip(per_device, devices)], buffer.chunks)
                       for buffer in buffers]
@@ -192,7 +191,11 @@ class MpiBackend(CpuBackend):
             f"over MPI. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices.")
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
-        total = self._summed(flats, chunks, "all_reduce", timeout)
+        total = None
+        if len(flats) == 1 and len(chunks) == 1 and chunks[0][0] == 0 and chunks[0][1] == flats[0].size:
+            total = self._sum_whole(flats[0], "all_reduce", timeout)  # as `_summed` would, a call less
+        if total is None:
+            total = self._summed(flats, chunks, "all_reduce", timeout)
         if mean:
             np.true_divide(total, self.group.num_replicas, out=total)
         return shared_views(total, len(devices))
