@@ -43,7 +43,7 @@ class ReplicaGreenlets:
 
     def __init__(self, count: int):
         self._module = _greenlet_module()
-        self._mailbox = _Mailbox(self._module.GreenletExit)
+        self._mailbox = _Mailbox()
         self._greenlets = [self._module.greenlet(self._mailbox.serve) for _ in range(count)]
         self._stacks = [context.new_stack() for _ in range(count)]  # each replica's context stack
         self._own: tuple[list, str | None] = ([], None)  # the scheduler's context stack and timeline track
@@ -130,7 +130,7 @@ class ReplicaGreenlets:
     def _switch(self, i: int, message: Any, throw: type[BaseException] | None = None) -> None:
         """Runs replica `i` with its own context stack until it switches back."""
         replica = self._greenlets[i]
-        if replica.dead:  # ended by an exception outside its function (a Ctrl-C between runs, a GreenletExit)
+        if replica.dead:  # ended by a Ctrl-C that landed outside its function, as it was switched to or back
             replica = self._greenlets[i] = self._module.greenlet(self._mailbox.serve)
         tracked = timeline.recording is not None  # then its events go on its replica's track
         context.swap_stack(self._stacks[i])
@@ -161,12 +161,11 @@ class _Mailbox:
     which holds them, no collection could free a thread's replicas once the thread has ended.
     """
 
-    __slots__ = ("scheduler", "message", "greenlet_exit")
+    __slots__ = ("scheduler", "message")
 
-    def __init__(self, greenlet_exit: type[BaseException]):
+    def __init__(self):
         self.scheduler: Any = None  # the greenlet running `execute`, switched back to at each collective
         self.message: Any = None  # the job or merge share handed to the replica switched to
-        self.greenlet_exit = greenlet_exit
 
     def __repr__(self) -> str:
         return f"<_Mailbox {'in a run' if self.scheduler is not None else 'idle'}>"
@@ -181,13 +180,13 @@ class _Mailbox:
                 run.results[i], run.status[i] = result, DONE
             except RequestedStop:
                 run.status[i] = _STOPPED
-            except self.greenlet_exit:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - handed to the scheduler, which raises it from run
+            except BaseException as exc:  # noqa: BLE001 - GreenletExit too: the scheduler raises it from run
                 if run.error is None and not run.stopped:
                     run.error = (i, exc)
                 run.status[i] = FAILED
             run = result = None  # keep nothing of a finished run while waiting for the next
+            if self.scheduler is None:  # collected while parked in a run that a second Ctrl-C cut short: end
+                return
             self.scheduler.switch()
 
 

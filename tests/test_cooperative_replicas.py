@@ -100,6 +100,19 @@ def test_an_error_names_its_replica_and_unwinds_the_others(strategy):
     assert [float(x) for x in local(strategy, out)] == [10.0] * 4
 
 
+def test_a_greenlet_exit_raised_by_a_replica_reaches_the_caller_as_any_error(strategy):
+    import greenlet
+
+    def step():
+        if replica_id() == 1:
+            raise greenlet.GreenletExit("replica one ends")  # what code written for gevent raises to stop
+        return distrib.get_replica_context().all_reduce("SUM", np.float32(1))
+
+    with pytest.raises(greenlet.GreenletExit, match=r"replica one ends \(raised in replica 1 of 4\)"):
+        strategy.run(step)
+    assert local(strategy, strategy.run(replica_id)) == (0, 1, 2, 3)
+
+
 def test_an_error_in_the_merge_reaches_the_caller(strategy):
     def merge_fn(s):
         raise KeyError("merge fails")
