@@ -68,18 +68,22 @@ def is_default(strategy: Any) -> bool:
     return bool(_default) and strategy is _default[0].strategy
 
 
-def push(strategy: Any, replica_context: Any) -> list[Frame]:
-    """Pushes a frame and returns the stack it is on; the caller pops it (`stack.pop()` in a `finally`).
+def push(strategy: Any, replica_context: Any) -> tuple[list[Frame], int]:
+    """Pushes a frame; returns the stack it is on and its depth there, for the caller's `del stack[depth:]` in a
+    `finally`.
 
     `frame` in one call instead of three, for the paths every run takes: right after a transfer has left the
-    caches cold, each call costs a microsecond or more.
+    caches cold, each call costs a microsecond or more. Safe from Ctrl-C, which Python raises only at a call or
+    a loop: nothing is called between the push and the caller's `try`, nor in `del stack[depth:]`, which also
+    drops any frame above that a Ctrl-C left behind as it landed in a `with frame(...)` block's exit.
     """
     try:
         stack = _local.stack
     except AttributeError:
         stack = _stack()
-    stack.append(_new_frame((strategy, replica_context)))
-    return stack
+    depth = len(stack)
+    stack += (_new_frame((strategy, replica_context)),)  # not append(): a Ctrl-C can land after a call
+    return stack, depth
 
 
 class frame:

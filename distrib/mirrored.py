@@ -227,7 +227,7 @@ class MirroredExtended(StrategyExtended):
         if kwargs:
             kwargs = select_replicas(kwargs, 1)[0]
         outer, self._inline = self._inline, replica
-        stack = context.push(strategy, replica)
+        stack, depth = context.push(strategy, replica)
         try:
             if self._host_arrays:  # emulated devices have no current device to set
                 result = fn(*args, **kwargs)
@@ -239,7 +239,7 @@ class MirroredExtended(StrategyExtended):
                 name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
             raise
         finally:
-            stack.pop()
+            del stack[depth:]
             self._inline, self._merge_error = outer, None
         return result if type(result) in LEAF_TYPES else regroup([result])  # one array: regroup's first rule
 
@@ -335,7 +335,7 @@ class MirroredExtended(StrategyExtended):
         inline = self._inline
         if inline is not None and self._running_thread == threading.get_ident() and \
                 context.get_replica_context() is inline:  # a run on the calling thread: the merge runs at once
-            stack = context.push(self._strategy_ref(), None)  # cross-replica
+            stack, depth = context.push(self._strategy_ref(), None)  # cross-replica
             try:
                 if timeline.recording is None:
                     return merge([payload])[0]
@@ -345,7 +345,7 @@ class MirroredExtended(StrategyExtended):
                 self._merge_error = exc  # `_run_inline` leaves it unnamed, as `_merge` does
                 raise
             finally:
-                stack.pop()
+                del stack[depth:]
         cooperative = self._cooperative_run
         if cooperative is not None and cooperative.in_replica(replica_id):
             return cooperative.rendezvous(replica_id, (kind, merge, payload, options.timeout))

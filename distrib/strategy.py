@@ -99,11 +99,11 @@ class Strategy:
         if top.strategy is self and top.replica_context is not None and not context.is_default(self):
             raise ContextError("Strategy.run cannot be called inside a replica function of the same strategy "
                                "(nested run). Call it from the cross-replica context.")
-        stack = context.push(self, self._scope_replica_context(top))  # as `with self._enter_scope()`, in fewer calls
+        stack, depth = context.push(self, self._scope_replica_context(top))  # `with self._enter_scope()`, fewer calls
         try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), options)
         finally:
-            stack.pop()
+            del stack[depth:]  # with any frame a Ctrl-C left above it: else this strategy would stay current
 
     def close(self) -> None:
         """Ends the strategy's replica threads; `run` raises ContextError afterwards. Closing twice is fine.

@@ -211,6 +211,38 @@ def test_ctrl_c_reaches_the_caller_promptly_and_the_stuck_replica_never_joins_a_
     assert child.finish() == 0
 
 
+def test_ctrl_c_as_a_merge_leaves_its_frame_leaves_no_strategy_current():
+    child = Child("""
+        import signal, sys
+        from distrib import context
+
+        def interrupt_on_entering(code, caller):  # a Ctrl-C at one point: SIGINT raised as `caller` calls `code`
+            def tracer(frame, event, arg):
+                if event == "call" and frame.f_code is code and frame.f_back.f_code is caller:
+                    sys.settrace(None)
+                    signal.raise_signal(signal.SIGINT)
+            sys.settrace(tracer)
+
+        step = lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1))
+        for mode in ("threads", "cooperative"):
+            first = distrib.MirroredStrategy(["CPU:0", "CPU:1"], replica_execution=mode)
+            # as the merge leaves its cross-replica frame, on the thread that called run
+            interrupt_on_entering(context.frame.__exit__.__code__, type(first.extended)._merge.__code__)
+            try:
+                first.run(step)
+                interrupted = False
+            except KeyboardInterrupt:
+                interrupted = True
+            other = distrib.MirroredStrategy(["CPU:2", "CPU:3"], replica_execution=mode)
+            out = other.run(step)
+            report(mode=mode, interrupted=interrupted, current=repr(distrib.get_strategy()),
+                   sums=[float(x) for x in other.experimental_local_results(out)])
+    """)
+    for mode in ("threads", "cooperative"):
+        assert child.read() == {"mode": mode, "interrupted": True, "current": "<DefaultStrategy>", "sums": [2.0, 2.0]}
+    assert child.finish() == 0
+
+
 def test_ctrl_c_during_a_strategys_first_run_leaves_it_whole():
     child = Child("""
         strategies = []
