@@ -9,7 +9,8 @@ of the same name, so Nsight Systems shows the same names beside the GPU's kernel
 host-side: a collective's span ends when it is queued, not when the GPU finishes it.
 
 This module imports nothing from distrib, so every layer may call it. When no timeline is recording, a hook
-costs one module-attribute read and a comparison with None.
+costs one module-attribute read and a comparison with None, and an instrumented backend method nothing: it is
+wrapped only while a timeline records.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ENV = "DISTRIB_TIMELINE"
 recording: "Timeline | None" = None  # the timeline hooks write to; None when off (read on every hook)
 _nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None = None
 _lock = threading.Lock()
+_instrumented: list[tuple[type, str, str, Callable]] = []  # (class, method name, category, the method unwrapped)
 
 
 class Timeline:
@@ -139,6 +141,7 @@ def start(path: str | os.PathLike) -> Timeline:
         timeline = Timeline(path)
         timeline.check_writable()
         recording = timeline
+        _wrap_instrumented(True)
         return recording
 
 
@@ -147,7 +150,31 @@ def stop() -> str | None:
     global recording
     with _lock:
         timeline, recording = recording, None
+        _wrap_instrumented(False)
     return timeline.write() if timeline is not None else None
+
+
+def instrument(cls: type, methods: dict[str, str]) -> None:
+    """Records every call of `cls`'s `methods` (name -> event category) on the timelines, through `timed`.
+
+    They are wrapped only while a timeline records, so that a call costs nothing more otherwise (a backend's
+    collectives run right after a transfer has left the caches cold, where a wrapper's call costs 1-2 µs). A
+    method `cls` inherits from a class instrumented already is left to that class.
+    """
+    with _lock:
+        for name, category in methods.items():
+            function = getattr(cls, name, None)
+            if function is None or getattr(function, "__isabstractmethod__", False) or hasattr(function, "timed_as") \
+                    or any(known is function for _, _, _, known in _instrumented):
+                continue
+            _instrumented.append((cls, name, category, function))
+            if recording is not None:
+                setattr(cls, name, timed(function, name, category))
+
+
+def _wrap_instrumented(on: bool) -> None:
+    for cls, name, category, function in _instrumented:
+        setattr(cls, name, timed(function, name, category) if on else function)
 
 
 def use_nvtx(push: Callable[[str], Any], pop: Callable[[], Any]) -> None:

@@ -118,19 +118,29 @@ def test_spans_become_nvtx_ranges_when_registered(tmp_path, monkeypatch):
     assert ranges == [("push", "outer"), ("push", "inner"), ("pop",), ("pop",)]
 
 
-def test_every_backends_collectives_are_on_the_timeline_once():
+def test_every_backends_collectives_are_on_the_timeline_once_and_cost_nothing_while_none_records(tmp_path):
     from distrib.backends.base import TIMED
     from distrib.backends.cpu import CpuBackend
+    from distrib.backends.mpi import MpiBackend
 
-    classes = [CpuBackend]
+    classes = [CpuBackend, MpiBackend]
     if importlib.util.find_spec("cupy") is not None:  # the CUDA backend imports without a GPU
         from distrib.backends.cuda.backend import CudaBackend
 
         classes.append(CudaBackend)
     timing = timeline.timed(lambda self: None, "probe", "test").__code__
-    for cls in classes:
-        for name in TIMED:
-            chain = [getattr(cls, name)]  # the method, and what each wrapper (error translation...) wraps
-            while hasattr(chain[-1], "__wrapped__"):
-                chain.append(chain[-1].__wrapped__)
-            assert sum(f.__code__ is timing for f in chain) == 1, (cls, name)
+
+    def wrappers(cls, name):
+        chain = [getattr(cls, name)]  # the method, and what each wrapper (error translation...) wraps
+        while hasattr(chain[-1], "__wrapped__"):
+            chain.append(chain[-1].__wrapped__)
+        return sum(f.__code__ is timing for f in chain)
+
+    timeline.start(tmp_path / "t.json")
+    try:
+        assert {(cls, name): wrappers(cls, name) for cls in classes for name in TIMED} == \
+            {(cls, name): 1 for cls in classes for name in TIMED}
+    finally:
+        timeline.stop()
+    assert {(cls, name): wrappers(cls, name) for cls in classes for name in TIMED} == \
+        {(cls, name): 0 for cls in classes for name in TIMED}

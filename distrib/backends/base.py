@@ -29,11 +29,7 @@ class Backend(abc.ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for method, category in TIMED.items():  # a None check per call while no timeline records
-            function = getattr(cls, method, None)  # defined here or in a mixin, not yet wrapped
-            if function is not None and not getattr(function, "__isabstractmethod__", False) \
-                    and not hasattr(function, "timed_as"):
-                setattr(cls, method, timeline.timed(function, method, category))
+        timeline.instrument(cls, TIMED)  # wrapped only while a timeline records
 
     @property
     @abc.abstractmethod
