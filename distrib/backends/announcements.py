@@ -40,7 +40,10 @@ class InCall(NamedTuple):
     timeout: float | None
 
 
-_in_call = functools.partial(tuple.__new__, InCall)  # InCall((...)) without the Python-level __new__ of a NamedTuple
+# InCall((...)) without the Python-level __new__ of a NamedTuple: every collective records one
+_in_call = functools.partial(tuple.__new__, InCall)
+
+
 class Channel:
     """An ordered stream of collectives on a communicator of its own, issued by one thread at a time.
 
