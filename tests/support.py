@@ -47,6 +47,30 @@ def replica_id():
     return distrib.get_replica_context().replica_id_in_sync_group
 
 
+def run_joined_by_replica(strategy, joining_replica: int = 0) -> list:
+    """Runs a step in which replica `joining_replica` starts a thread named "helper" that calls `strategy.run`,
+    and joins it; returns the ContextErrors the helper's run raised (the run cannot start: it would wait for
+    the replica that waits for it)."""
+    import threading
+
+    errors = []
+
+    def helper():
+        try:
+            strategy.run(lambda: None)
+        except distrib.errors.ContextError as exc:
+            errors.append(exc)
+
+    def step():
+        if replica_id() == joining_replica:
+            thread = threading.Thread(target=helper, name="helper")
+            thread.start()
+            thread.join()
+
+    strategy.run(step)
+    return errors
+
+
 def blocks_of(strategy):
     """Replica r holds [[0, 1, 2], [3, 4, 5]] + 10 r."""
     return per_replica(strategy, lambda r: np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * r)

@@ -10,7 +10,7 @@ import pytest
 
 import distrib
 from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
-from support import DEVICES, local, replica_id
+from support import DEVICES, local, replica_id, run_joined_by_replica
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -146,21 +146,7 @@ def test_a_run_from_a_merge_fn_runs_and_one_from_a_replica_is_refused(strategy):
 
 
 def test_a_run_from_a_thread_that_a_replica_joins_is_refused_naming_the_replica(strategy):
-    errors = []
-
-    def helper():
-        try:
-            strategy.run(lambda: None)
-        except ContextError as exc:
-            errors.append(exc)
-
-    def step():
-        if replica_id() == 1:
-            thread = threading.Thread(target=helper, name="helper")
-            thread.start()
-            thread.join()
-
-    strategy.run(step)
+    errors = run_joined_by_replica(strategy, joining_replica=1)
     assert len(errors) == 1
     assert f"'{threading.current_thread().name} (replica 1)' waits in Thread.join for 'helper'" in str(errors[0])
 

@@ -11,6 +11,7 @@ import pytest
 import distrib
 from distrib import CommunicationOptions, RunOptions
 from distrib.errors import ContextError, DeadlineExceededError
+from support import run_joined_by_replica
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,21 +108,8 @@ def test_a_collective_from_a_thread_the_replica_started_is_refused(one):
 
 
 def test_run_from_a_helper_thread_that_the_replica_joins_is_refused_at_once(one):
-    errors = []
-
-    def helper():
-        try:
-            one.run(lambda: None)
-        except ContextError as exc:
-            errors.append(exc)
-
-    def step():
-        thread = threading.Thread(target=helper, name="helper")
-        thread.start()
-        thread.join()
-
     start = time.monotonic()
-    one.run(step)
+    errors = run_joined_by_replica(one)
     assert time.monotonic() - start < 5
     assert len(errors) == 1 and "waits in Thread.join for 'helper'" in str(errors[0])
 
