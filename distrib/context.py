@@ -37,12 +37,10 @@ def _stack() -> list[Frame]:
         return stack
 
 
-def swap_stack(stack: list[Frame]) -> list[Frame]:
-    """Makes `stack` this thread's stack and returns the one it replaces: each cooperative replica (a greenlet on
-    the calling thread) keeps a stack of its own, swapped in whenever it is switched to."""
-    previous = _stack()
+def set_stack(stack: list[Frame]) -> None:
+    """Makes `stack` this thread's stack: each cooperative replica (a greenlet on the calling thread) keeps a
+    stack of its own, set whenever it is switched to (`thread_stack` gives the one to put back)."""
     _local.stack = stack
-    return previous
 
 
 def thread_stack() -> list[Frame]:

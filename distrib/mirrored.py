@@ -148,8 +148,8 @@ class MirroredExtended(StrategyExtended):
         waiters = [worker.thread.ident for worker in list(self._threads)] + ([holder] if holder else [])
         cooperative = self._cooperative_run
         running = None if cooperative is None else cooperative.running
-        labels = {} if running is None else {holder: f"{_thread_name(holder)} (replica {running})"}
-        chain = wait_chain(waiters, threading.get_ident(), labels)
+        notes = {} if running is None else {holder: f"(replica {running})"}
+        chain = wait_chain(waiters, threading.get_ident(), notes)
         if chain is not None:
             raise ContextError(
                 f"Strategy.run cannot start on this thread: the strategy's run in progress waits for it, so "
@@ -370,10 +370,6 @@ def _patience(run: Run, exc: BaseException) -> float:
     if run.deadline is not None:
         patience = min(patience, max(run.deadline - time.monotonic(), _UNWIND_SECONDS))
     return patience
-
-
-def _thread_name(ident: int) -> str:
-    return next((thread.name for thread in threading.enumerate() if thread.ident == ident), str(ident))
 
 
 def _stacks(threads: list[ReplicaThread], replicas: Sequence[int]) -> str:

@@ -133,9 +133,9 @@ class ReplicaGreenlets:
         if replica.dead:  # ended by a Ctrl-C that landed outside its function, as it was switched to or back
             replica = self._greenlets[i] = self._module.greenlet(self._mailbox.serve)
         tracked = timeline.recording is not None  # then its events go on its replica's track
-        context.swap_stack(self._stacks[i])
+        context.set_stack(self._stacks[i])
         if tracked:
-            timeline.swap_track(f"replica {i}")
+            timeline.set_track(f"replica {i}")
         self.running = i
         if throw is None:
             self._mailbox.message = message
@@ -143,14 +143,14 @@ class ReplicaGreenlets:
         else:
             replica.throw(throw)
         self.running = None
-        context.swap_stack(self._own[0])
+        context.set_stack(self._own[0])
         if tracked:
-            timeline.swap_track(self._own[1])
+            timeline.set_track(self._own[1])
 
     def _restore(self) -> None:
         """Makes the scheduler's context stack and track the thread's again."""
-        context.swap_stack(self._own[0])
-        timeline.swap_track(self._own[1])
+        context.set_stack(self._own[0])
+        timeline.set_track(self._own[1])
 
 
 class _Mailbox:

@@ -25,9 +25,9 @@ _WORK_ITEM = concurrent.futures.thread._WorkItem.run.__code__  # a pool thread r
 _WAIT_DEPTH = 4  # a blocking call sits within the innermost frames (join -> _wait_for_tstate_lock -> acquire)
 
 
-def wait_chain(waiters: Iterable[int], target: int, labels: dict[int, str] | None = None) -> list[str] | None:
+def wait_chain(waiters: Iterable[int], target: int, notes: dict[int, str] | None = None) -> list[str] | None:
     """How one of the threads `waiters` (idents) waits, through joins and futures, for thread `target`; None
-    if none does in a way that could never end. `labels` names threads in place of their names.
+    if none does in a way that could never end. `notes` adds a word after a thread's name ("(replica 1)").
 
     Returns one line per step of the chain, such as "'distrib-replica-0' waits in Thread.join for 'helper'".
 
@@ -37,7 +37,9 @@ def wait_chain(waiters: Iterable[int], target: int, labels: dict[int, str] | Non
       True
     """
     frames = _current_frames()
-    names = {thread.ident: thread.name for thread in threading.enumerate()} | (labels or {})
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    for ident, note in (notes or {}).items():
+        names[ident] = f"{names.get(ident, ident)} {note}"
     edges = _edges(frames)
     steps: dict[int, tuple[int, str]] = {}  # thread -> (the thread that waits for it, how)
     todo = [ident for ident in waiters if ident in frames]

@@ -186,22 +186,20 @@ def use_nvtx(push: Callable[[str], Any], pop: Callable[[], Any]) -> None:
 _track = threading.local()  # .name: the track of the cooperative replica running on this thread, if any
 
 
-def swap_track(name: str | None) -> str | None:
-    """Makes `name` the calling thread's track (None: the thread's own) and returns the one it replaces: a
-    cooperative replica, a greenlet on the caller's thread, records on its replica's track."""
-    previous = getattr(_track, "name", None)
+def set_track(name: str | None) -> None:
+    """Makes `name` the calling thread's track (None: the thread's own): a cooperative replica, a greenlet on the
+    caller's thread, records on its replica's track (`track_override` gives the one to put back)."""
     _track.name = name
-    return previous
 
 
 def track_override() -> str | None:
-    """The track that `swap_track` made the calling thread's, None if none."""
+    """The track that `set_track` made the calling thread's, None if none."""
     return getattr(_track, "name", None)
 
 
 def thread_track() -> str:
     """The calling thread's track: 'replica k' on a replica thread or cooperative replica, else the thread's name."""
-    override = getattr(_track, "name", None)
+    override = track_override()
     if override is not None:
         return override
     name = threading.current_thread().name
