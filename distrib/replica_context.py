@@ -11,8 +11,7 @@ from typing import Any, Callable, Protocol, Sequence
 from distrib import context
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, ReduceOp
-from distrib.values import (LEAF_SPEC, flatten, format_path, regroup, select_replicas, structure_mismatch,
-                            unflatten)
+from distrib.values import flatten, format_path, regroup, select_replicas, structure_mismatch, unflatten
 
 _ARRAYS = operator.itemgetter(1)  # a collective's payload: (spec, arrays, arguments)
 
@@ -183,8 +182,7 @@ class ReplicaContext:
             return combine(list(map(_ARRAYS, payloads)), options)
 
         payload = (spec, arrays, arguments + (("options", options),))
-        results = host._rendezvous(self._replica_id, kind, merge, payload, options)
-        return results[0] if spec is LEAF_SPEC and len(results) == 1 else unflatten(spec, results)
+        return unflatten(spec, host._rendezvous(self._replica_id, kind, merge, payload, options))
 
     def __repr__(self) -> str:
         return (f"<ReplicaContext replica_id_in_sync_group={self.replica_id_in_sync_group} "

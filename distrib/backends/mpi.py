@@ -191,11 +191,7 @@ class MpiBackend(CpuBackend):
             f"over MPI. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices.")
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
-        total = None
-        if len(flats) == 1 and len(chunks) == 1 and chunks[0][0] == 0 and chunks[0][1] == flats[0].size:
-            total = self._sum_whole(flats[0], "all_reduce", timeout)  # as `_summed` would, a call less
-        if total is None:
-            total = self._summed(flats, chunks, "all_reduce", timeout)
+        total = self._summed(flats, chunks, "all_reduce", timeout)
         if mean:
             np.true_divide(total, self.group.num_replicas, out=total)
         return shared_views(total, len(devices))
