@@ -85,12 +85,28 @@ class MirroredExtended(StrategyExtended):
         return self._threads
 
     def _close(self) -> None:
-        if self._running_thread == threading.get_ident():
-            raise ContextError("Strategy.close cannot be called inside the strategy's own run.")
-        with self._run_lock:
+        worker = executing_worker()
+        if self._running_thread == threading.get_ident() or (
+                worker is not None and worker.current is not None and worker.current.strategy is self._strategy_ref()):
+            raise ContextError("Strategy.close cannot be called inside the strategy's own run (in a replica function "
+                               "or a merge_fn): close it after run returns.")
+        if self._pid != _PID[0]:  # forked during another thread's run: that thread and its lock are gone
+            self._run_lock, self._running_thread = threading.Lock(), None
+        acquired = False
+        try:
+            while not acquired:  # waits for a run in progress on another thread to end, unless it waits for us
+                with deferred_interrupts():  # so that a Ctrl-C cannot land between taking the lock and `acquired`
+                    acquired = self._run_lock.acquire(False) or self._run_lock.acquire(timeout=_POLL_SECONDS)
+                if not acquired:
+                    self._refuse_a_wait_forever(
+                        "Strategy.close cannot return", "Close the strategy after its run returns, from the thread "
+                        "that called run.")
             self._closed = True
             if self._pid == _PID[0]:
                 retire_all(self._threads)
+        finally:
+            if acquired:
+                self._run_lock.release()
 
     def _call_for_each_replica(self, fn, args, kwargs, options: RunOptions | None = None):
         run_timeout = None if options is None else options.timeout_seconds
@@ -105,8 +121,10 @@ class MirroredExtended(StrategyExtended):
             # (TensorFlow starts threads for every run, so nesting works there too)
             if inline:
                 return self._run_inline(fn, args, kwargs)
-            threads = [ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices)]
+            threads: list[ReplicaThread] = []
             try:
+                with deferred_interrupts():  # all of them or none, and each one retired below
+                    threads.extend(ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices))
                 return self._run(fn, args, kwargs, threads, deadline)
             finally:
                 retire_all(threads)
@@ -119,7 +137,10 @@ class MirroredExtended(StrategyExtended):
                 with deferred_interrupts():  # so that a Ctrl-C cannot land between taking the lock and `acquired`
                     acquired = self._run_lock.acquire(False) or self._run_lock.acquire(timeout=_POLL_SECONDS)
                 if not acquired:
-                    self._refuse_a_run_that_would_wait_forever()
+                    self._refuse_a_wait_forever(
+                        "Strategy.run cannot start", "Runs of one strategy cannot nest from a thread that a replica "
+                        "function waits on: return what the thread computed and call run after the run in progress "
+                        "returns, or call the function directly in the replica function.")
                 if not acquired and time.monotonic() - started >= wait:
                     raise DeadlineExceededError(
                         f"Strategy.run waited {wait:g} s for this strategy's run in progress on another thread to "
@@ -142,8 +163,9 @@ class MirroredExtended(StrategyExtended):
                 self._running_thread = None
                 self._run_lock.release()
 
-    def _refuse_a_run_that_would_wait_forever(self) -> None:
-        """ContextError if the run in progress waits, without a timeout, for the thread calling `run`."""
+    def _refuse_a_wait_forever(self, refusal: str, advice: str) -> None:
+        """ContextError, `refusal` then `advice`, if the run in progress waits, without a timeout, for the thread
+        that waits for it to end (to run or to close the strategy)."""
         holder = self._running_thread
         waiters = [worker.thread.ident for worker in list(self._threads)] + ([holder] if holder else [])
         cooperative = self._cooperative_run
@@ -152,10 +174,8 @@ class MirroredExtended(StrategyExtended):
         chain = wait_chain(waiters, threading.get_ident(), notes)
         if chain is not None:
             raise ContextError(
-                f"Strategy.run cannot start on this thread: the strategy's run in progress waits for it, so "
-                f"neither could ever end ({'; '.join(chain)}). Runs of one strategy cannot nest from a thread "
-                f"that a replica function waits on: return what the thread computed and call run after the run "
-                f"in progress returns, or call the function directly in the replica function.")
+                f"{refusal} on this thread: the strategy's run in progress waits for it, so neither could ever "
+                f"end ({'; '.join(chain)}). {advice}")
 
     def _new_run(self, fn, args, kwargs, deadline: float | None) -> Run:
         # new replica contexts for every run: kept by the strategy, they would hold it in a reference cycle

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 from distrib import context, timeline
 from distrib.backends import Backend
+from distrib.interrupts import deferred_interrupts
 
 RUNNING, WAITING, DONE, FAILED = "running", "waiting", "done", "failed"
 
@@ -265,10 +266,15 @@ def executing_worker() -> ReplicaThread | None:
 
 
 def retire_all(threads: list[ReplicaThread]) -> None:
-    """Ends every thread of `threads` (a dropped or closed strategy's); they exit once idle."""
-    for worker in threads:
-        worker.retire()
-    threads.clear()
+    """Ends every thread of `threads` (a dropped or closed strategy's); they exit once idle.
+
+    A Ctrl-C arriving meanwhile is held until every thread is retired: part-way, it would leave the rest running
+    for good when a dropped strategy's finalizer runs this (Python prints an error raised there and drops it).
+    """
+    with deferred_interrupts():
+        for worker in threads:
+            worker.retire()
+        threads.clear()
 
 
 def count_mismatch(run: Run) -> str:

@@ -7,6 +7,7 @@ import concurrent.futures
 import gc
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import pytest
 import distrib
 from distrib import CommunicationOptions, RunOptions
 from distrib.errors import ContextError, DeadlineExceededError
+from distrib.replica_threads import ReplicaThread
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -313,3 +315,76 @@ def test_close_inside_the_strategys_own_run_is_a_context_error(strategy):
     with pytest.raises(ContextError, match="Strategy.close cannot be called inside"):
         strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: s.close()))
     assert sum_of_ones(strategy) == [4.0] * 4
+
+
+@pytest.mark.parametrize("execution", ["threads", "cooperative"])
+def test_close_inside_a_replica_function_is_a_context_error(execution):
+    with distrib.MirroredStrategy(DEVICES, replica_execution=execution) as strategy:
+        with pytest.raises(ContextError, match="Strategy.close cannot be called inside"):
+            strategy.run(lambda: strategy.close())
+        assert sum_of_ones(strategy) == [4.0] * 4
+
+
+def test_close_from_a_helper_thread_that_the_replica_joins_is_refused_at_once(strategy):
+    errors = []
+
+    def close_in_helper():
+        try:
+            strategy.close()  # would wait for the run, which waits for this thread
+        except ContextError as exc:
+            errors.append(exc)
+
+    def step():
+        if distrib.get_replica_context().replica_id_in_sync_group == 0:
+            helper = threading.Thread(target=close_in_helper, name="helper")
+            helper.start()
+            helper.join()
+
+    strategy.run(step)
+    assert len(errors) == 1 and str(errors[0]).startswith("Strategy.close cannot return on this thread: the "
+                                                          "strategy's run in progress waits for it")
+    assert sum_of_ones(strategy) == [4.0] * 4
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process, even where the tests run with it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def interrupt_the_first_retire(monkeypatch) -> list:
+    """Ctrl-C arrives while the first replica thread is being retired; returns the threads retired, in order."""
+    retired, retire = [], ReplicaThread.retire
+
+    def retire_then_interrupt(worker):
+        retire(worker)
+        retired.append(worker)
+        if len(retired) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(ReplicaThread, "retire", retire_then_interrupt)
+    return retired
+
+
+def test_ctrl_c_while_a_strategy_closes_still_ends_every_thread(monkeypatch, sigint_raises):
+    before = replica_threads()
+    strategy = distrib.MirroredStrategy(DEVICES)
+    assert sum_of_ones(strategy) == [4.0] * 4
+    retired = interrupt_the_first_retire(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        strategy.close()
+    assert len(retired) == 4
+    assert wait_until(lambda: replica_threads() <= before)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_ctrl_c_while_a_dropped_strategy_is_finalized_still_ends_every_thread(monkeypatch, sigint_raises):
+    before = replica_threads()
+    strategy = distrib.MirroredStrategy(DEVICES)
+    assert sum_of_ones(strategy) == [4.0] * 4
+    retired = interrupt_the_first_retire(monkeypatch)
+    del strategy  # the finalizer: Python reports the KeyboardInterrupt raised there and drops it
+    assert len(retired) == 4
+    assert wait_until(lambda: replica_threads() <= before)
