@@ -55,6 +55,8 @@ struct BFloat16 {
     }
 };
 
+// Aligned as a whole, for one wide load per element: every array handed to reduce_complex* must start on a
+// 2 * sizeof(T) boundary (CuPy's allocations and packs of whole elements do; kernels.py checks it)
 template <typename T>
 struct alignas(2 * sizeof(T)) Pair {
     T re, im;

@@ -127,3 +127,11 @@ def test_compute_sanitizer_finds_nothing_in_the_kernels(tool):
         capture_output=True, text=True, timeout=1800, env={**os.environ, "DISTRIB_UNDER_SANITIZER": "1"})
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "complex128"])
+def test_a_complex_view_off_its_pair_alignment_is_refused_before_launch(dtype):
+    parts = cupy.zeros(9, np.float32 if dtype == "complex64" else np.float64)
+    odd = parts[1:].view(dtype)  # starts on the second part: a misaligned pair for reduce.cu
+    with pytest.raises(ValueError, match=f"reduce_{dtype} reads \\(real, imaginary\\) pairs aligned"):
+        KERNELS.reduce(dtype, odd.size, [odd], [odd])

@@ -45,3 +45,18 @@ def test_a_batch_changed_after_prefetch_does_not_change_what_arrived(backend):
     host[:] = -1  # the staging copy was taken before prefetch returned
     with backend.device_scope("GPU:0"):
         np.testing.assert_array_equal(out.get(), expected)
+
+
+def test_a_batch_that_fails_part_way_keeps_the_pinned_buffers_of_the_copies_already_queued(backend):
+    pool = backend._stager.pool
+    backend.synchronize()
+    pool.take(1)  # reclaims what earlier tests left busy
+    busy = len(pool._busy)
+    batch = [np.ones(2 * staging.CHUNK_BYTES, np.uint8), np.array(["no GPU dtype"])]  # CuPy has no str dtype
+    with pytest.raises((TypeError, ValueError)):
+        backend.prefetch_to_device(batch, "GPU:0")
+    assert len(pool._busy) == busy + 1  # held until the first value's copy has completed, then reused
+    (_, buffers), = list(pool._busy)[busy:]
+    assert [nbytes for nbytes, _ in buffers] == [batch[0].nbytes]
+    backend.synchronize()
+    assert pool.take(batch[0].nbytes) is buffers[0][1]

@@ -163,19 +163,22 @@ class CudaBackend(NcclCollectives, Backend):
         with cupy.cuda.Device(ordinal):
             with stream:
                 side.wait_event(stream.record(cupy.cuda.Event(disable_timing=True)))
-            for value in values:
-                if on_gpu(value):
-                    out.append(self.to_device(value, device))
-                    continue
-                host = np.ascontiguousarray(to_numpy(value))
-                with stream:
-                    array = cupy.empty(host.shape, host.dtype)
-                if host.nbytes:
-                    staged.append(self._stager.upload(host, array, side))
-                out.append(array)
-            done = side.record(cupy.cuda.Event(disable_timing=True))
-            stream.wait_event(done)
-        self._stager.pool.release_after(done, staged)
+            try:
+                for value in values:
+                    if on_gpu(value):
+                        out.append(self.to_device(value, device))
+                        continue
+                    host = np.ascontiguousarray(to_numpy(value))
+                    with stream:
+                        array = cupy.empty(host.shape, host.dtype)
+                    if host.nbytes:
+                        staged.append(self._stager.upload(host, array, side))
+                    out.append(array)
+            finally:  # also when a value fails part-way: the copies already queued still read their pinned
+                # buffers and write device memory that `stream` may hand out again once the arrays are dropped
+                done = side.record(cupy.cuda.Event(disable_timing=True))
+                stream.wait_event(done)
+                self._stager.pool.release_after(done, staged)
         return out
 
     def _side_stream(self, ordinal: int) -> cupy.cuda.Stream:

@@ -27,6 +27,8 @@ WORD_SIZES = (16, 8, 4, 2, 1)
 WORDS_PER_THREAD = 8  # pack.cu's kWordsPerThread: each block moves tiles of BLOCK * WORDS_PER_THREAD words
 UPDATE_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2}  # optimizer.cu's rules and their slot counts
 UPDATE_DTYPES = {"float16": "float32", "float32": "float32", "float64": "float64"}  # parameter -> math dtype
+# reduce.cu's Pair<T> is aligned to both parts: stricter than a part, so a view starting at an odd part would fault
+COMPLEX_ALIGNMENT = {"complex64": 8, "complex128": 16}
 
 
 _INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
@@ -157,7 +159,11 @@ class Kernels:
         import cupy
 
         if count:
-            table = np.array([a.data.ptr for a in (*sources, *outputs)], np.int64)
+            pointers = [a.data.ptr for a in (*sources, *outputs)]
+            if wire in COMPLEX_ALIGNMENT and any(p % COMPLEX_ALIGNMENT[wire] for p in pointers):
+                raise ValueError(f"reduce_{wire} reads (real, imaginary) pairs aligned to "
+                                 f"{COMPLEX_ALIGNMENT[wire]} bytes. Received: addresses {[hex(p) for p in pointers]}.")
+            table = np.array(pointers, np.int64)
             kernel = self.function("reduce.cu", f"reduce_{wire}")
             kernel((blocks(count),), (BLOCK,), (cupy.asarray(table), np.int32(len(sources)),
                                                  np.int32(len(outputs)), np.int64(count), np.int32(divisor)))

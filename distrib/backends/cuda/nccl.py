@@ -23,6 +23,7 @@ from distrib.backends.cuda.watchdog import Watchdog, Watched
 from distrib.errors import CollectiveError, DeadlineExceededError
 
 Launch = Callable[[int, Any, int], None]  # (rank, communicator, stream pointer): issues the rank's NCCL calls
+ABORT_LOCK_SECONDS = 1.0  # how long an abort waits for a launch in progress to leave NCCL
 
 
 def version() -> int:
@@ -42,7 +43,7 @@ class Communicators:
 
     def __init__(self):
         self._groups: dict[tuple[int, ...], list[Any]] = {}
-        self._launch_lock = threading.Lock()
+        self._launch_lock = threading.RLock()  # reentrant: a launch that fails aborts its communicators under it
         self._lock = threading.Lock()
         self.watchdog = Watchdog()
 
@@ -127,12 +128,22 @@ class Communicators:
             operation=operation)
 
     def _abort(self, ordinals: tuple[int, ...], comms: list[Any]) -> None:
-        """Aborts `comms` (never `destroy`, which can hang) and forgets them if they are still the current ones."""
-        with self._lock:
-            if self._groups.get(ordinals) is comms:
-                del self._groups[ordinals]
-        for comm in comms:
-            comm.abort()
+        """Aborts `comms` (never `destroy`, which can hang) and forgets them if they are still the current ones.
+
+        Called by the watchdog's thread too: it waits for a launch in progress (launches hold the lock for
+        microseconds), so no thread is inside NCCL on a communicator as it is freed, nor picks it up afterwards.
+        A launch hung inside NCCL is aborted all the same after `ABORT_LOCK_SECONDS`: that is NCCL's way out.
+        """
+        locked = self._launch_lock.acquire(timeout=ABORT_LOCK_SECONDS)
+        try:
+            with self._lock:
+                if self._groups.get(ordinals) is comms:
+                    del self._groups[ordinals]
+            for comm in comms:
+                comm.abort()
+        finally:
+            if locked:
+                self._launch_lock.release()
 
     def abort(self, ordinals: Sequence[int]) -> None:
         """Aborts the current communicators of `ordinals` and forgets them."""

@@ -80,13 +80,17 @@ class Stager:
         def stage(start: int, size: int) -> None:
             np.copyto(pinned[start:start + size], source[start:start + size])
 
-        if len(chunks) == 1 or STAGING_THREADS == 1:
-            for start, size in chunks:
-                stage(start, size)
+        try:
+            if len(chunks) == 1 or STAGING_THREADS == 1:
+                for start, size in chunks:
+                    stage(start, size)
+                    (out.data + start).copy_from_host_async(ctypes.c_void_p(memory.ptr + start), size, stream)
+                return nbytes, memory
+            staged = [self._executor().submit(stage, start, size) for start, size in chunks]
+            for (start, size), done in zip(chunks, staged):
+                done.result()  # in order: chunk k is queued while later chunks are still being filled
                 (out.data + start).copy_from_host_async(ctypes.c_void_p(memory.ptr + start), size, stream)
             return nbytes, memory
-        staged = [self._executor().submit(stage, start, size) for start, size in chunks]
-        for (start, size), done in zip(chunks, staged):
-            done.result()  # in order: chunk k is queued while later chunks are still being filled
-            (out.data + start).copy_from_host_async(ctypes.c_void_p(memory.ptr + start), size, stream)
-        return nbytes, memory
+        except BaseException:  # chunks already queued still read the buffer: it returns once they are done
+            self.pool.release_after(stream.record(cupy.cuda.Event(disable_timing=True)), [(nbytes, memory)])
+            raise

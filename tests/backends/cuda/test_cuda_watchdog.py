@@ -86,3 +86,49 @@ def test_the_first_failure_is_the_one_raised():
     with pytest.raises(TimeoutError, match="^all_gather"):
         dog.wait()
     dog.check()
+
+
+class Communicator:
+    """Stands for an NCCL communicator: records when it is aborted."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def abort(self):
+        self.log.append("aborted")
+
+
+def test_an_abort_from_the_watchdog_waits_for_a_launch_in_progress_to_leave_nccl():
+    nccl = pytest.importorskip("distrib.backends.cuda.nccl", reason="needs CuPy's NCCL bindings")
+    communicators, log = nccl.Communicators(), []
+    comms = [Communicator(log), Communicator(log)]
+    communicators._groups[(0, 1)] = comms
+    with communicators._launch_lock:  # another thread is launching on these communicators
+        aborting = threading.Thread(target=communicators._abort, args=((0, 1), comms))
+        aborting.start()
+        aborting.join(0.2)
+        log.append("launched")
+    aborting.join(5)
+    assert log == ["launched", "aborted", "aborted"]
+    assert (0, 1) not in communicators._groups  # the next collective creates new ones
+
+
+def test_a_launch_hung_inside_nccl_is_aborted_all_the_same(monkeypatch):
+    nccl = pytest.importorskip("distrib.backends.cuda.nccl", reason="needs CuPy's NCCL bindings")
+    monkeypatch.setattr(nccl, "ABORT_LOCK_SECONDS", 0.05)
+    communicators, log = nccl.Communicators(), []
+    held = threading.Event()
+    release = threading.Event()
+
+    def hung_launch():
+        with communicators._launch_lock:
+            held.set()
+            release.wait(10)
+
+    launcher = threading.Thread(target=hung_launch)
+    launcher.start()
+    held.wait(5)
+    communicators._abort((0,), [Communicator(log)])  # NCCL's way out of a hang: abort from another thread
+    release.set()
+    launcher.join(5)
+    assert log == ["aborted"]
