@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun 
                                                        "libopenmpi-dev; .ci/run installs it)")
 # Documented differences from one process, not failures: see README's multi-worker section.
 BY_DESIGN = {"datasets_from_function": "each worker runs its own input pipeline (num_input_pipelines=2)",
+             "datasets_from_function_input_context": "each worker runs its own input pipeline (num_input_pipelines=2)",
              **DELIBERATE_DIFFERENCES}
 
 
