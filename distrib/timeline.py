@@ -8,7 +8,9 @@ one track per replica (thread or cooperative greenlet), one per device, and one 
 of the same name, so Nsight Systems shows the same names beside the GPU's kernels. On CUDA the spans are
 host-side: a collective's span ends when it is queued, not when the GPU finishes it.
 
-This module imports nothing from distrib, so every layer may call it. When no timeline is recording, a hook
+Under mpirun each rank writes a file of its own, `trace.rank<N>.json`, on the wall clock so that
+`distrib timeline merge` lines the ranks up in one trace. This module imports nothing from distrib but mpi_env
+(which reads the launcher's environment), so every layer may call it. When no timeline is recording, a hook
 costs one module-attribute read and a comparison with None, and an instrumented backend method nothing: it is
 wrapped only while a timeline records.
 """
@@ -23,7 +25,9 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
+
+from distrib.mpi_env import mpi_environment
 
 ENV = "DISTRIB_TIMELINE"
 
@@ -52,11 +56,14 @@ class Timeline:
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
+        self.rank = job_rank()
+        self.path = os.fspath(path) if self.rank is None else rank_path(path, self.rank)
         self._events: list[dict] = []  # list.append is atomic: hooks on any thread append without a lock
         self._tracks: dict[str, int] = {}
-        self._origin = time.perf_counter_ns()
-        self._pid = os.getpid()
+        if self.rank is None:  # times from the start of the recording
+            self._origin, self._pid = time.perf_counter_ns(), os.getpid()
+        else:  # wall-clock times, which every rank shares (to NTP's precision across hosts), and the rank as pid
+            self._origin, self._pid = time.perf_counter_ns() - time.time_ns(), self.rank
 
     def __repr__(self) -> str:
         return f"<Timeline path={self.path!r} events={len(self._events)}>"
@@ -82,7 +89,9 @@ class Timeline:
 
     def trace(self) -> dict:
         """The trace as a JSON-ready dict: the events, then the tracks' names and order."""
-        meta = [{"name": "process_name", "ph": "M", "pid": self._pid, "args": {"name": "distrib"}}]
+        name = "distrib" if self.rank is None else f"distrib rank {self.rank}"
+        meta = [{"name": "process_name", "ph": "M", "pid": self._pid, "args": {"name": name}},
+                {"name": "process_sort_index", "ph": "M", "pid": self._pid, "args": {"sort_index": self.rank or 0}}]
         for track, tid in sorted(self._tracks.items(), key=lambda item: item[1]):
             meta.append({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid, "args": {"name": track}})
             meta.append({"name": "thread_sort_index", "ph": "M", "pid": self._pid, "tid": tid,
@@ -91,25 +100,71 @@ class Timeline:
 
     def write(self) -> str:
         """Writes the trace to `path` (through a temporary file, so a reader never sees half of it)."""
-        temporary = self._temporary()
-        temporary.write_text(json.dumps(self.trace()))
-        os.replace(temporary, self.path)
-        return self.path
+        return _write_whole(self.path, self.trace())
 
     def check_writable(self) -> None:
         """Raises now, not after the recording, when `path` cannot be written: its folder made, a file put there."""
         try:
-            temporary = self._temporary()
+            temporary = _temporary_beside(self.path)
             temporary.touch()
             temporary.unlink()
         except OSError as exc:
             raise _with_message(exc, f"A timeline needs a file it can write. Received: {self.path!r} "
                                      f"({exc.strerror}).") from None
 
-    def _temporary(self) -> Path:
-        target = Path(self.path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        return target.with_name(target.name + ".tmp")
+
+
+def _temporary_beside(path: str) -> Path:
+    """A temporary file's name next to `path`, whose folder is made if missing."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target.with_name(target.name + ".tmp")
+
+
+def _write_whole(path: str, trace: dict) -> str:
+    """Writes `trace` as JSON to `path` through a temporary file, so a reader never sees half of it."""
+    temporary = _temporary_beside(path)
+    temporary.write_text(json.dumps(trace))
+    os.replace(temporary, path)
+    return path
+
+
+def job_rank() -> int | None:
+    """This process's rank when it is one of several in an MPI job (from the launcher's environment), else None."""
+    try:
+        environment = mpi_environment()
+    except ValueError:  # a malformed launcher variable: MultiWorkerMirroredStrategy reports it
+        return None
+    return environment[1] if environment is not None and environment[2] > 1 else None
+
+
+def rank_path(path: str | os.PathLike, rank: int) -> str:
+    """Where rank `rank` of a job writes the timeline asked for at `path`: trace.json -> trace.rank0.json."""
+    target = Path(path)
+    return str(target.with_name(f"{target.stem}.rank{rank}{target.suffix}"))
+
+
+def merge(paths: Sequence[str | os.PathLike], out: str | os.PathLike) -> str:
+    """Writes one trace holding every event of the traces at `paths` (each rank's file of a job); returns `out`.
+
+    Raises:
+      ValueError: a file is not a trace (JSON with "traceEvents"), naming it.
+      OSError: a file cannot be read, or `out` cannot be written.
+    """
+    events: list[dict] = []
+    for path in paths:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise _with_message(exc, f"A timeline to merge must be a file that can be read. Received: "
+                                     f"{os.fspath(path)!r} ({exc.strerror}).") from None
+        try:
+            trace = json.loads(text)
+            events.extend(trace["traceEvents"])
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"A timeline to merge must be a trace distrib wrote (JSON with \"traceEvents\"). "
+                             f"Received: {os.fspath(path)!r} ({type(exc).__name__}: {exc}).") from None
+    return _write_whole(os.fspath(out), {"traceEvents": events, "displayTimeUnit": "ms"})
 
 
 def _with_message(exc: OSError, message: str) -> OSError:

@@ -209,3 +209,33 @@ def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each)
     flood = one_replica_each["flood"]
     assert flood["sent_while_in_flight"] > 0  # the peer's queue filled: some went out beside the persistent send
     assert flood["missing"] == [] and flood["sum after"] == 3.0
+
+
+def test_each_rank_records_its_own_timeline_and_merged_they_line_up(tmp_path, monkeypatch, capsys):
+    from distrib.cli import main
+
+    monkeypatch.setenv("DISTRIB_TIMELINE", str(tmp_path / "trace.json"))
+    done = mpirun("timeline_job.py")
+    assert done.returncode == 0, done.stderr
+    ranks = sorted(tmp_path.glob("trace.rank*.json"))
+    assert [p.name for p in ranks] == ["trace.rank0.json", "trace.rank1.json"]  # not one file written twice
+    assert main(["timeline", "merge", *map(str, ranks), "-o", str(tmp_path / "trace.json")]) == 0
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "distrib rank 0", 1: "distrib rank 1"}
+    caller = {pid: min(e["tid"] for e in events if e["pid"] == pid and e["name"] == "run") for pid in names}
+    runs = {pid: sorted(e["ts"] for e in events if (e["pid"], e.get("tid")) == (pid, caller[pid]) and
+                        e["name"] == "run") for pid in names}  # the calling thread's track: one span per run
+    assert len(runs[0]) == len(runs[1]) == 3
+    assert abs(runs[0][-1] - runs[1][-1]) < 1e6  # one clock for both ranks: their last steps within a second
+
+
+def test_merging_something_that_is_not_a_trace_says_which_file(tmp_path, capsys):
+    from distrib.cli import main
+
+    (tmp_path / "notes.json").write_text("[1, 2]")
+    assert main(["timeline", "merge", str(tmp_path / "notes.json"), "-o", str(tmp_path / "out.json")]) == 2
+    assert "A timeline to merge must be a trace distrib wrote" in capsys.readouterr().err
+    assert main(["timeline", "merge", str(tmp_path / "missing.json"), "-o", str(tmp_path / "out.json")]) == 2
+    assert "must be a file that can be read. Received: " in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()

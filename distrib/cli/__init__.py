@@ -1,4 +1,5 @@
-"""The `distrib` command: `distrib train` (the main job), `distrib bench` (collective throughput), `distrib info`."""
+"""The `distrib` command: `distrib train` (the main job), `distrib bench` (collective throughput), `distrib info`,
+`distrib timeline merge`."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ COMMANDS = {
     "train": "train the bundled digits MLP data-parallel on every GPU, or on the CPU emulator",
     "bench": "time a collective in nccl-tests' format, beside raw NCCL (GPUs) or raw NumPy (emulator)",
     "info": "the backend distrib picks here and why, the GPUs and their links, the versions",
+    "timeline": "merge the collective timelines of an MPI job's ranks into one trace",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: one subcommand per entry of COMMANDS, each listed in `distrib --help`."""
     from distrib.cli.bench import command as bench
-    from distrib.cli import info
+    from distrib.cli import info, timeline
 
     parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute's programming model on CuPy/NCCL "
                                                                  "and a NumPy CPU emulator.")
@@ -27,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("rest", nargs=argparse.REMAINDER)
     bench.add_arguments(commands.add_parser("bench", help=COMMANDS["bench"], description=COMMANDS["bench"]))
     info.add_arguments(commands.add_parser("info", help=COMMANDS["info"], description=COMMANDS["info"]))
+    timeline.add_arguments(commands.add_parser("timeline", help=COMMANDS["timeline"],
+                                               description=COMMANDS["timeline"]))
     return parser
 
 
@@ -40,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         from distrib.cli.bench.command import run
+    elif args.command == "timeline":
+        from distrib.cli.timeline import run
     else:
         from distrib.cli.info import run
     try:
