@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import distrib
+from support import default_sigint
 
 HERE = pathlib.Path(__file__).parent / "multi_worker"
 sys.path.insert(0, str(HERE))
@@ -179,6 +181,26 @@ def test_a_rank_killed_inside_a_transfer_ends_the_other_with_an_error_naming_it(
     assert error.startswith("distrib.errors.WorkerFailedError: rank 1 (pid ")
     assert "while rank 0 was inside the MPI call" in error
     assert not (tmp_path / "error.json.0").exists()  # no Python code of the stuck thread ran again
+
+
+def test_ctrl_c_at_mpirun_ends_every_rank_with_an_error_that_says_so():
+    env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    process = subprocess.Popen([MPIRUN, "-np", "2", sys.executable, str(HERE / "steps_until_stopped.py")], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=default_sigint)
+    try:
+        for line in process.stdout:  # after each rank's backend line
+            if line.strip() == "stepping":
+                break
+        process.send_signal(signal.SIGINT)  # what Ctrl-C in mpirun's terminal does
+        printed = process.communicate(timeout=30)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode != 0
+    errors = [line for line in printed.splitlines() if line.startswith("distrib.errors.WorkerFailedError")]
+    assert errors and all("or mpirun itself was interrupted (Ctrl-C) or killed" in line for line in errors), printed
 
 
 def test_a_rank_stopped_inside_a_transfer_aborts_the_job_past_the_timeout(tmp_path):

@@ -90,7 +90,7 @@ class CallWatchdog:
         if dead or terminated:
             who = f"{group.describe(dead)} died" if dead else \
                 "the MPI launcher is ending the job (SIGTERM): another rank failed (it raised, aborted, or died on " \
-                "another host)"
+                "another host), or mpirun itself was interrupted (Ctrl-C) or killed"
             return WorkerFailedError(
                 f"{who} during {call.operation} (collective #{call.sequence} of the job's {channel.name}), while "
                 f"rank {group.rank} was inside the MPI call, which cannot return without it: rank {group.rank} ends "

@@ -181,7 +181,8 @@ def _on_terminate(signum: int, frame: Any) -> None:
     for group in list(_GROUPS):
         dead = group.dead_local_ranks()
         who = f"{group.describe(dead)} died" if dead else ("another rank failed (it raised an error, was killed, "
-                                                           "or runs on another host)")
+                                                           "or runs on another host), or mpirun itself was "
+                                                           "interrupted (Ctrl-C) or killed")
         group.broken = WorkerFailedError(f"{who}, and the MPI launcher is ending the job (SIGTERM to rank "
                                          f"{group.rank}). Restart the job; `--resume` continues from the last "
                                          f"checkpoint.", ranks=dead)

@@ -1,0 +1,17 @@
+"""Run under `mpirun -np 2`: all-reduce steps until the job is stopped (at most a minute); rank 0 says when it is
+stepping."""
+
+import time
+
+import numpy as np
+
+import distrib
+
+strategy = distrib.MultiWorkerMirroredStrategy()
+step = lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(1000, np.float32))  # noqa: E731
+strategy.run(step)
+if strategy.cluster_resolver.task_id == 0:
+    print("stepping", flush=True)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    strategy.run(step)
