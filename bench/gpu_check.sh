@@ -32,6 +32,7 @@ STAGES=(
   "input-bench|240|yes|bench/input_bench.py --gpu: host-to-device input against raw pinned copies"
   "train|240|yes|distrib train on GPU:0, 1 replica then 4 replicas sharing it"
   "profile|240|yes|bench/gpu_profile.py: cProfile of distrib train and of the 4-replica batched all_reduce"
+  "multi-process|240|yes|mpirun -np 2 sharing the GPU over NCCL: the multi-process GPU tests, distrib bench all_reduce"
 )
 
 usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; }
@@ -64,7 +65,7 @@ while (($#)); do
     --budget=*) budget=${1#*=}; shift ;;
     --list)
       for row in "${STAGES[@]}"; do IFS='|' read -r name limit gpu what <<<"$row"
-        printf '%-12s %4s s  GPU: %-3s  %s\n' "$name" "$limit" "$gpu" "$what"; done
+        printf '%-14s %4s s  GPU: %-3s  %s\n' "$name" "$limit" "$gpu" "$what"; done
       exit 0 ;;
     -h | --help) usage; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
@@ -175,6 +176,19 @@ run_stage() {  # run_stage NAME: the stage's steps
       step train-4-replicas $((limit / 2)) "$python" -m distrib train --replicas 4 --overwrite --out "$logs/train-4" ;;
     profile)
       step profile "$limit" "$python" bench/gpu_profile.py --out "$logs/profile" ;;
+    multi-process)
+      if ! command -v mpirun >/dev/null; then
+        record "SKIP  multi-process  (needs mpirun: apt-get install openmpi-bin libopenmpi-dev)"
+        archive
+        return
+      fi
+      # two ranks on one GPU: each its own NCCL_HOSTID (distrib sets it), bootstrapping over loopback
+      step multi-process-tests $((limit / 2)) "$python" -m pytest "${pytest_args[@]}" tests/gpu/test_gpu_multi_process.py
+      step multi-process-bench $((limit / 2)) env NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-lo}" \
+        OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun -np 2 --oversubscribe \
+        "$python" -m distrib bench all_reduce -g 1 -b 8 -e 256M -f 4 \
+        --json "$logs/multi-process-all-reduce-$(date +%F)-$gpu.json" \
+        --plot "$logs/multi-process-all-reduce-$(date +%F)-$gpu.png" ;;
   esac
 }
 

@@ -362,6 +362,8 @@ class MirroredVariable(DistributedVariable):
 def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str, value: Any) -> None:
     """Cross-replica half of a replica-context write: combine the replicas' values, then update every copy."""
     aggregation = variable.aggregation
+    if not isinstance(value, DistributedValues) and strategy.extended._local_components(value) is not None:
+        value = PerReplica((value,))  # one replica per process: its own value, combined with the other processes'
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         value = strategy.extended._first_replica_value(value.values[0]) if isinstance(value, PerReplica) else value
     elif isinstance(value, PerReplica):

@@ -179,3 +179,18 @@ def import_torch():
         pytest.skip(f"PyTorch does not import here ({type(exc).__name__}: {exc}); .ci/run installs the CPU build "
                     "(pip install torch --index-url https://download.pytorch.org/whl/cpu)")
     return torch
+
+
+def assert_one_process_with_two_replicas(report: dict) -> None:
+    """What a rank of `mpirun -np 2 tests/multi_worker/one_replica_strategy.py` saw is what one process with two
+    replicas computes (replica r contributes r + 1, or arange(4) * (r + 1))."""
+    assert report["replicas"] == 2, report
+    assert report["sum"] == [0.0, 3.0, 6.0, 9.0]
+    assert report["mean"] == [1.5] * 3
+    assert report["int_sum"] == [1, 20]
+    assert report["gather"] == [0, 0, 1, 1]
+    assert report["large"] == {"min": 3.0, "max": 3.0, "size": 16 << 20}
+    assert report["reduce_mean_axis0"] == [0.5, 0.5]
+    assert report["initial"] == {"sum": 7.0, "mean": 7.0, "first": 7.0}  # rank 0's initial value, broadcast
+    # each replica added replica id + 1: summed, averaged, or replica 0's, the same on both ranks
+    assert report["after_updates"] == {"sum": 10.0, "mean": 8.5, "first": 8.0}

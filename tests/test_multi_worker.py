@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import distrib
-from support import default_sigint
+from support import assert_one_process_with_two_replicas, default_sigint
 
 HERE = pathlib.Path(__file__).parent / "multi_worker"
 sys.path.insert(0, str(HERE))
@@ -33,9 +33,9 @@ BY_DESIGN = {"datasets_from_function": "each worker runs its own input pipeline 
              **DELIBERATE_DIFFERENCES}
 
 
-def mpirun(program: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def mpirun(program: str, *args: str, timeout: float = 120, replicas: int = 2) -> subprocess.CompletedProcess:
     # the emulator's replicas on every machine: on one with a GPU, detection would pick NCCL
-    env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1",
+    env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS=str(replicas), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
     return subprocess.run([MPIRUN, "-np", "2", sys.executable, str(HERE / program), *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -231,6 +231,13 @@ def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each)
     flood = one_replica_each["flood"]
     assert flood["sent_while_in_flight"] > 0  # the peer's queue filled: some went out beside the persistent send
     assert flood["missing"] == [] and flood["sum after"] == 3.0
+
+
+def test_one_replica_per_process_reduces_gathers_and_updates_variables_as_one_process(tmp_path):
+    done = mpirun("one_replica_strategy.py", str(tmp_path / "report.json"), replicas=1)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):  # a variable written in a run with a plain value: each process's replica's, combined
+        assert_one_process_with_two_replicas(json.loads((tmp_path / f"report.json.{rank}").read_text()))
 
 
 def test_each_rank_records_its_own_timeline_and_merged_they_line_up(tmp_path, monkeypatch, capsys):
