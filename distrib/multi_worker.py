@@ -19,7 +19,7 @@ from distrib.mirrored import MirroredExtended, checked_communication_options
 from distrib.options import CommunicationOptions
 from distrib.replica_context import check_gather_shapes
 from distrib.strategy import Strategy
-from distrib.values import flatten, is_zero_scalar, local_components, unflatten
+from distrib.values import flatten, local_components, unflatten
 
 
 class MultiWorkerExtended(MirroredExtended):
@@ -49,9 +49,11 @@ class MultiWorkerExtended(MirroredExtended):
 
     def _local_components(self, value: Any) -> tuple | None:
         # With one replica per process, `run` returns plain values: they are this process's replica's, and are
-        # reduced across the processes (batched with the rest), as TensorFlow does with several workers.
+        # reduced across the processes (batched with the rest), as TensorFlow does with several workers. Zero
+        # too: whether a process takes part in a collective must not depend on its value (one replica's 0 beside
+        # the others' 1s left that process a collective behind the rest, which then waited for it for good).
         components = local_components(value)
-        if components is None and len(self._devices) == 1 and not is_zero_scalar(value):
+        if components is None and len(self._devices) == 1:
             return (value,)
         return components
 

@@ -194,3 +194,5 @@ def assert_one_process_with_two_replicas(report: dict) -> None:
     assert report["initial"] == {"sum": 7.0, "mean": 7.0, "first": 7.0}  # rank 0's initial value, broadcast
     # each replica added replica id + 1: summed, averaged, or replica 0's, the same on both ranks
     assert report["after_updates"] == {"sum": 10.0, "mean": 8.5, "first": 8.0}
+    assert report["reduce_of_a_zero_beside_a_one"] == 1.0  # replica 0's 0 plus replica 1's 1
+    assert report["sum_after_adding_zero_and_one"] == 11.0

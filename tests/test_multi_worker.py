@@ -33,11 +33,12 @@ BY_DESIGN = {"datasets_from_function": "each worker runs its own input pipeline 
              **DELIBERATE_DIFFERENCES}
 
 
-def mpirun(program: str, *args: str, timeout: float = 120, replicas: int = 2) -> subprocess.CompletedProcess:
+def mpirun(program: str, *args: str, timeout: float = 120, replicas: int = 2,
+           processes: int = 2) -> subprocess.CompletedProcess:
     # the emulator's replicas on every machine: on one with a GPU, detection would pick NCCL
     env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS=str(replicas), OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
-    return subprocess.run([MPIRUN, "-np", "2", sys.executable, str(HERE / program), *args], env=env,
+    return subprocess.run([MPIRUN, "-np", str(processes), sys.executable, str(HERE / program), *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -108,6 +109,30 @@ def test_conformance_programs_give_one_processs_results(job):
     ran = {name: outcome for name, outcome in outcomes.items() if not outcome.startswith("skipped")}
     assert len(ran) >= 25, outcomes
     wrong = {name: outcome for name, outcome in ran.items() if outcome != "ok" and name not in BY_DESIGN}
+    assert not wrong, wrong
+
+
+# With one replica per process a plain value is that process's replica's (reduced across the processes, as
+# TensorFlow does with several workers), and the test's gathering of every process's local results cannot tell a
+# value on one device from one per replica.
+ONE_REPLICA_BY_DESIGN = {
+    "error_reduce_to_non_distributed_sum": "a plain value is this process's replica's: reduced across the processes",
+    "local_results": "a plain value's local results, gathered from every process: one per process",
+    "merge_call_args_kwargs": "a merge_fn's plain result, gathered from every process: one per process",
+    "reduce_to_array_destinations": "a value on one device, gathered from every process: one per process",
+}
+
+
+@pytest.mark.parametrize("processes, at_least", [(2, 8), (4, 35)])
+def test_conformance_programs_with_one_replica_per_process_give_one_processs_results(tmp_path, processes, at_least):
+    # as one process per GPU runs: the cases for 2 (or 4) replicas on 2 (or 4) processes of one replica each
+    done = mpirun("conformance_on_workers.py", str(tmp_path / "outcomes.json"), replicas=1, processes=processes)
+    assert done.returncode == 0, done.stdout + done.stderr
+    outcomes = json.loads((tmp_path / "outcomes.json").read_text())
+    ran = {name: outcome for name, outcome in outcomes.items() if not outcome.startswith("skipped")}
+    assert len(ran) >= at_least, outcomes
+    wrong = {name: outcome for name, outcome in ran.items()
+             if outcome != "ok" and name not in BY_DESIGN and name not in ONE_REPLICA_BY_DESIGN}
     assert not wrong, wrong
 
 

@@ -7,7 +7,6 @@ Rank 0 writes what it saw to the JSON file named by argv[1]; argv[2] is the trai
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import sys
@@ -22,16 +21,11 @@ from distrib.values import map_structure
 sys.path[:0] = [str(pathlib.Path(__file__).parent), str(pathlib.Path(__file__).parents[1])]
 import training  # noqa: E402
 from nested_values import ragged_nested, same_shaped  # noqa: E402
-from test_conformance import CASES, CONFORMANCE, _error_matches, assert_matches  # noqa: E402
+from conformance_on_workers import everywhere, run_cases  # noqa: E402
 
 comm = MPI.COMM_WORLD
 strategy = distrib.MultiWorkerMirroredStrategy()
 report: dict = {"repr": repr(strategy), "num_replicas_in_sync": strategy.num_replicas_in_sync}
-
-
-def everywhere(values):
-    """This rank's local results joined with every other rank's, in rank order (the test's view, not the API's)."""
-    return [v for part in comm.allgather(list(values)) for v in part]
 
 
 # -- the API across processes ----------------------------------------------------------------------------------
@@ -104,50 +98,7 @@ report["losses"], report["w"], report["b"] = losses, w.numpy().tolist(), float(b
 
 
 # -- the conformance programs, their MirroredStrategy(4 CPUs) replaced by 2 processes x 2 replicas -------------
-class OnAllWorkers:
-    """A `distrib` whose MirroredStrategy of 4 emulated devices is this job's strategy; local results are gathered
-    from every process so that the case sees what one process with 4 replicas returns."""
-
-    def __getattr__(self, name):
-        return getattr(distrib, name)
-
-    def MirroredStrategy(self, devices=None, **kwargs):
-        if list(devices or []) != ["CPU:0", "CPU:1", "CPU:2", "CPU:3"] or kwargs:
-            raise NotImplementedError("this case builds another strategy than 4 emulated replicas")
-        job = distrib.MultiWorkerMirroredStrategy()
-
-        def local_results_of_every_process(value):
-            local = distrib.MultiWorkerMirroredStrategy.experimental_local_results(job, value)
-            if len(local) != len(job.extended.worker_devices):
-                return local  # a value on some devices only (reduce_to onto one): as in one process
-            return tuple(everywhere(map_structure(lambda leaf: np.asarray(leaf.numpy() if hasattr(leaf, "numpy")
-                                                                          else leaf), list(local))))
-
-        job.experimental_local_results = local_results_of_every_process
-        return job
-
-
-conformance = {}
-for path in CASES:
-    expected = json.loads((CONFORMANCE / "expected" / f"{path.stem}.json").read_text())["result"]
-    spec = importlib.util.spec_from_file_location(f"case_{path.stem}", path)
-    case = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(case)
-    try:
-        result = case.run_distrib(OnAllWorkers(), np)
-    except NotImplementedError as exc:
-        conformance[path.stem] = f"skipped: {exc}"
-        continue
-    except Exception as exc:  # noqa: BLE001 - compared with TensorFlow's error below
-        ok = isinstance(expected, dict) and "error" in expected and _error_matches(exc, expected)
-        conformance[path.stem] = "ok" if ok else f"raised {type(exc).__name__}: {exc}"
-        continue
-    try:
-        assert_matches(result, expected)
-        conformance[path.stem] = "ok"
-    except AssertionError as exc:
-        conformance[path.stem] = f"differs: {exc}"
-report["conformance"] = conformance
+report["conformance"] = run_cases(comm)
 
 # -- the main job, as `mpirun -np 2 distrib train` runs it --------------------------------------------------------
 from distrib.cli.train import main as distrib_train  # noqa: E402

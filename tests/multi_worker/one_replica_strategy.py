@@ -12,7 +12,8 @@ import numpy as np
 
 import distrib
 
-strategy = distrib.MultiWorkerMirroredStrategy()
+strategy = distrib.MultiWorkerMirroredStrategy(  # a regression fails within seconds rather than hanging
+    communication_options=distrib.CommunicationOptions(timeout_seconds=20))
 rank = strategy.cluster_resolver.task_id
 backend = strategy.extended.backend
 host = lambda value: backend.to_host(strategy.experimental_local_results(value)[0]).tolist()  # noqa: E731
@@ -54,5 +55,16 @@ def update():
 
 strategy.run(update)
 report["after_updates"] = {name: float(v.numpy()) for name, v in variables.items()}
+
+
+def zero_on_rank_0():  # replica 0 contributes 0, a plain value like any other: every process takes part
+    rid = distrib.get_replica_context().replica_id_in_sync_group
+    variables["sum"].assign_add(np.float32(rid))
+    return distrib.get_replica_context().merge_call(lambda s, x: s.reduce("SUM", x, axis=None),
+                                                    args=(np.float32(rid),))
+
+
+report["reduce_of_a_zero_beside_a_one"] = float(backend.to_host(strategy.run(zero_on_rank_0)))
+report["sum_after_adding_zero_and_one"] = float(variables["sum"].numpy())
 with open(f"{sys.argv[1]}.{rank}", "w") as file:
     json.dump(report, file)
