@@ -218,8 +218,9 @@ class StrategyExtended(abc.ABC):
     def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: tuple[str, ...]) -> Any:
         if is_zero_scalar(value) or op is ReduceOp.MEAN:
             return value
-        if len(self._devices) > 1:
-            raise ValueError(f"A non-distributed value cannot be reduced with SUM on {len(self._devices)} replicas: it "
+        replicas = self._container_strategy.num_replicas_in_sync  # every process's: each decides alike
+        if replicas > 1:
+            raise ValueError(f"A non-distributed value cannot be reduced with SUM on {replicas} replicas: it "
                              f"would be counted once per replica. Received: {type(value).__name__}. Pass a "
                              f"PerReplica (from run or experimental_distribute_values_from_function) instead.")
         return self._broadcast(value, destinations)

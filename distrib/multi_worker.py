@@ -29,6 +29,7 @@ class MultiWorkerExtended(MirroredExtended):
                  execution: str | None = None):
         self._group = backend.group
         self._first_local_replica = self._group.first_replica
+        self._one_replica_each = set(self._group.replica_counts) == {1}
         super().__init__(container_strategy, backend, backend.default_devices(), CollectiveAllReduce(),
                          communication_options, execution)
 
@@ -52,8 +53,10 @@ class MultiWorkerExtended(MirroredExtended):
         # reduced across the processes (batched with the rest), as TensorFlow does with several workers. Zero
         # too: whether a process takes part in a collective must not depend on its value (one replica's 0 beside
         # the others' 1s left that process a collective behind the rest, which then waited for it for good).
+        # Only where every process has one replica: the choice must be the same on every process, or one would
+        # wait in a collective that another never makes.
         components = local_components(value)
-        if components is None and len(self._devices) == 1:
+        if components is None and self._one_replica_each:
             return (value,)
         return components
 
@@ -67,7 +70,8 @@ class MultiWorkerExtended(MirroredExtended):
         def any_worker_has_data(local: bool) -> bool:  # every worker stops on the same step
             return group.any_rank_has(local, self._options.timeout)
 
-        return InputWorkers(self._backend, self._devices, group.size, group.rank, any_worker_has_data)
+        return InputWorkers(self._backend, self._devices, group.size, group.rank, any_worker_has_data,
+                            group.first_replica, group.num_replicas)
 
 
 class MultiWorkerMirroredStrategy(Strategy):

@@ -265,6 +265,21 @@ def test_one_replica_per_process_reduces_gathers_and_updates_variables_as_one_pr
         assert_one_process_with_two_replicas(json.loads((tmp_path / f"report.json.{rank}").read_text()))
 
 
+def test_processes_with_different_replica_counts_split_batches_as_one_process(tmp_path):
+    env = dict(os.environ, DISTRIB_BACKEND="cpu", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    program = [sys.executable, str(HERE / "uneven_replicas.py"), str(tmp_path / "report.json")]
+    done = subprocess.run([MPIRUN, "-np", "1", "-x", "DISTRIB_CPU_REPLICAS=1", *program, ":",
+                           "-np", "1", "-x", "DISTRIB_CPU_REPLICAS=3", *program], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, rest = (json.loads((tmp_path / f"report.json.{rank}").read_text()) for rank in (0, 1))
+    # global batches of 7 then 5 rows over 4 replicas: pieces of 2, 2, 2, 1 then 2, 2, 1, 0, replica 0 on rank 0
+    assert first["batches"] == [[[0.0, 1.0]], [[7.0, 8.0]]]
+    assert rest["batches"] == [[[2.0, 3.0], [4.0, 5.0], [6.0]], [[9.0, 10.0], [11.0], []]]
+    # a plain value's SUM is refused on both processes (the one with one replica did not wait in a collective)
+    assert first["plain_sum"] == rest["plain_sum"] and "cannot be reduced with SUM on 4 replicas" in first["plain_sum"]
+
+
 def test_each_rank_records_its_own_timeline_and_merged_they_line_up(tmp_path, monkeypatch, capsys):
     from distrib.cli import main
 

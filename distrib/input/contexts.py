@@ -49,8 +49,9 @@ class InputContext:
 class InputWorkers:
     """Where this process's input goes: its replicas' devices, and its place among the input workers.
 
-    A multi-worker strategy sets `num_workers`/`worker_index` and `any_worker_has_data`, which must return True
-    while any worker still has data, so that every worker stops on the same step.
+    A multi-worker strategy sets `num_workers`/`worker_index`, the global id of this worker's first replica and
+    every worker's replica count (workers may drive different numbers of devices), and `any_worker_has_data`,
+    which must return True while any worker still has data, so that every worker stops on the same step.
     """
 
     backend: Backend
@@ -58,7 +59,13 @@ class InputWorkers:
     num_workers: int = 1
     worker_index: int = 0
     any_worker_has_data: Callable[[bool], bool] = field(default=lambda local: local)
+    first_replica: int | None = None  # the global replica id of devices[0] (None: as if workers were alike)
+    all_replicas: int | None = None  # every worker's replicas (None: this worker's, times num_workers)
 
     @property
     def num_replicas_in_sync(self) -> int:
-        return len(self.devices) * self.num_workers
+        return len(self.devices) * self.num_workers if self.all_replicas is None else self.all_replicas
+
+    @property
+    def first_local_replica(self) -> int:
+        return self.worker_index * len(self.devices) if self.first_replica is None else self.first_replica

@@ -155,7 +155,7 @@ class DistributedDataset(_DatasetBase):
         workers, options = self._workers, self._options
         local = len(workers.devices)
         slices = local if self._each_worker_whole else workers.num_replicas_in_sync
-        first = 0 if self._each_worker_whole else workers.worker_index * local
+        first = 0 if self._each_worker_whole else workers.first_local_replica
         empty = EmptyBatches()
 
         def produce() -> Any:
@@ -195,7 +195,7 @@ class DistributedDatasetsFromFunction(_DatasetBase):
             raise TypeError(f"dataset_fn must be callable. Received: {type(dataset_fn).__name__}.")
         count = workers.num_replicas_in_sync
         if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
-            first = workers.worker_index * len(workers.devices)
+            first = workers.first_local_replica
             contexts = [InputContext(count, first + i, count) for i in range(len(workers.devices))]
         else:
             contexts = [InputContext(workers.num_workers, workers.worker_index, count)]

@@ -1,0 +1,25 @@
+"""Run under `mpirun` with a different number of emulated replicas per process (1 and 3): each replica gets the
+rows one process with every replica would give it, and a plain value's SUM is refused alike on every process.
+
+argv[1] is the report file; each rank writes `<argv[1]>.<rank>`.
+"""
+
+import json
+import sys
+
+import numpy as np
+
+import distrib
+
+strategy = distrib.MultiWorkerMirroredStrategy(communication_options=distrib.CommunicationOptions(timeout_seconds=20))
+rank = strategy.cluster_resolver.task_id
+data = np.arange(12, dtype=np.float32)
+dataset = strategy.experimental_distribute_dataset([data[0:7], data[7:12]])
+report = {"replicas": strategy.num_replicas_in_sync,
+          "batches": [[np.asarray(t).tolist() for t in strategy.experimental_local_results(b)] for b in dataset]}
+try:
+    strategy.extended.reduce_to("SUM", np.ones(2, np.float32), destinations="CPU:0")
+except ValueError as exc:
+    report["plain_sum"] = str(exc)
+with open(f"{sys.argv[1]}.{rank}", "w") as file:
+    json.dump(report, file)
