@@ -42,11 +42,11 @@ class DistributedIterator:
     """Yields one structure of PerReplica values per step; `get_next_as_optional` for the last partial step."""
 
     def __init__(self, produce: Callable[[], Any], options: InputOptions, element_spec: Callable[[], Any],
-                 pace: dict):
+                 pace: dict, finish: Callable[[Any], Any] | None = None):
         self._element_spec = element_spec
         # the device buffers plus the one in use, doubled so that each side works in bursts of that size
         depth = max(4, 2 * (options.experimental_per_replica_buffer_size + 1))
-        self._prefetcher = Prefetcher(produce, depth, pace)
+        self._prefetcher = Prefetcher(produce, depth, pace, finish)
         weakref.finalize(self, self._prefetcher.close)
 
     def __iter__(self) -> "DistributedIterator":
@@ -100,6 +100,32 @@ class _DatasetBase:
 
     def _element_spec(self) -> Any:
         return self.element_spec
+
+
+NO_DATA = object()  # produced once this worker's data has run out
+SHARD_EMPTY = ("This worker's shard of the dataset is empty while other workers have data; shard the dataset so "
+               "that every worker has some.")
+RAN_OUT = ("This worker's pipelines produced no element while other workers still have data; shard the data so "
+           "that every worker has some.")
+
+
+def step_or_end(workers: InputWorkers, options: InputOptions,
+                empty_batches: Callable[[], tuple]) -> Callable[[Any], Any]:
+    """What the consumer makes of a produced step: the end once no worker has data, else the step, or empty batches
+    for this worker's replicas while others still have data.
+
+    The end-of-input check across workers runs here, once per step asked for, not where steps are produced (a
+    thread may produce ahead): every worker then makes the same checks, also for an iterator left before its end.
+    """
+    def finish(step: Any) -> Any:
+        if not workers.any_worker_has_data(step is not NO_DATA):
+            raise StopIteration
+        if step is not NO_DATA:
+            return step
+        spec, per_replica = empty_batches()
+        return assemble(spec, place(workers, options, per_replica))
+
+    return finish
 
 
 def _reiterable(source: Iterable, kind: str) -> Callable[[], Iterator]:
@@ -160,14 +186,8 @@ class DistributedDataset(_DatasetBase):
 
         def produce() -> Any:
             batch = next(batches, END)
-            has_data = batch is not END
-            if not workers.any_worker_has_data(has_data):
-                raise StopIteration
-            if not has_data:  # other workers still have data: this worker's replicas get empty batches
-                spec, per_replica = empty.make(local, "This worker's shard of the dataset is empty while other "
-                                                      "workers have data; shard the dataset so that every worker "
-                                                      "has some.")
-                return assemble(spec, place(workers, options, per_replica))
+            if batch is END:
+                return NO_DATA
             arrays, spec = batch_leaves(batch, workers.backend, "dataset element")
             bounds = split_bounds(batch_rows(arrays, spec, "dataset element"), slices)[first:first + local]
             self._record_spec(spec, arrays)
@@ -175,7 +195,8 @@ class DistributedDataset(_DatasetBase):
             per_replica = [[a[start:stop] for a in arrays] for start, stop in bounds]
             return assemble(spec, place(workers, options, per_replica))
 
-        return DistributedIterator(produce, options, self._element_spec, self._pace)
+        return DistributedIterator(produce, options, self._element_spec, self._pace, step_or_end(
+            workers, options, lambda: empty.make(local, SHARD_EMPTY)))
 
     def __repr__(self) -> str:
         return f"<DistributedDataset replicas={self._workers.num_replicas_in_sync}>"
@@ -210,9 +231,8 @@ class DistributedDatasetsFromFunction(_DatasetBase):
 
         def produce() -> Any:
             elements = [next(pick(r), END) for r in range(local)]
-            has_data = any(e is not END for e in elements)
-            if not workers.any_worker_has_data(has_data):
-                raise StopIteration
+            if all(e is END for e in elements):
+                return NO_DATA
             per_replica, spec = [], None
             for element in elements:
                 if element is END:
@@ -228,14 +248,13 @@ class DistributedDatasetsFromFunction(_DatasetBase):
                 self._record_spec(spec, arrays)
                 per_replica.append(arrays)
             if None in per_replica:  # replicas whose pipelines ran out get empty batches
-                spec, blanks = empty.make(per_replica.count(None), "This worker's pipelines produced no element "
-                                          "while other workers still have data; shard the data so that every "
-                                          "worker has some.")
+                spec, blanks = empty.make(per_replica.count(None), RAN_OUT)
                 blanks = iter(blanks)
                 per_replica = [arrays if arrays is not None else next(blanks) for arrays in per_replica]
             return assemble(spec, place(workers, options, per_replica))
 
-        return DistributedIterator(produce, options, self._element_spec, self._pace)
+        return DistributedIterator(produce, options, self._element_spec, self._pace,
+                                   step_or_end(workers, options, lambda: empty.make(local, RAN_OUT)))
 
     def __repr__(self) -> str:
         return f"<DistributedDatasetsFromFunction replicas={self._workers.num_replicas_in_sync}>"

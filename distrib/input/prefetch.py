@@ -38,13 +38,15 @@ class Prefetcher:
     until the consumer's measured time away per step exceeds `AHEAD_AFTER_SECONDS`; from then on a thread
     runs ahead. The choice is remembered in `pace` (shared by a dataset's epochs). Both sides work in bursts of
     half the buffer to wake each other rarely. The thread holds no reference to the iterator that owns it, so
-    dropping the iterator stops the thread.
+    dropping the iterator stops the thread. `finish`, if given, turns each produced item into the step on the
+    consumer's thread, when the step is asked for (StopIteration from it ends the iteration).
     """
 
     AHEAD_AFTER_SECONDS = 30e-6
 
-    def __init__(self, produce: Callable[[], Any], depth: int, pace: dict):
-        self._produce, self._depth, self._pace = produce, depth, pace
+    def __init__(self, produce: Callable[[], Any], depth: int, pace: dict,
+                 finish: Callable[[Any], Any] | None = None):
+        self._produce, self._depth, self._pace, self._finish = produce, depth, pace, finish
         self._half = max(1, depth // 2)
         self._items: collections.deque = collections.deque()
         self._filled, self._drained = _Signal(), _Signal()
@@ -94,6 +96,12 @@ class Prefetcher:
             if item is not END:
                 raise item
             raise StopIteration
+        if self._finish is not None:
+            try:
+                item = self._finish(item)
+            except BaseException:
+                self.close()
+                raise
         if self._thread is None:
             self._returned_at = time.perf_counter()
         return item

@@ -590,3 +590,28 @@ def test_a_single_array_or_dict_is_not_a_dataset(strategy, dataset):
 def test_a_python_list_of_numbers_gets_a_hint_to_use_an_array(strategy):
     with pytest.raises(ValueError, match=r"needs a leading batch dimension.*use np.asarray"):
         next(iter(strategy.experimental_distribute_dataset([{"x": [1.0, 2.0, 3.0, 4.0]}])))
+
+
+@pytest.mark.parametrize("from_function", [False, True])
+def test_end_of_input_checks_follow_the_steps_taken_not_the_steps_produced_ahead(from_function):
+    # each check is a collective across the workers: one made ahead by a process's prefetch thread, for a step
+    # never taken, would leave the processes' checks out of step for every later iterator
+    checks = []
+
+    def any_worker_has_data(local):
+        checks.append(local)
+        return local
+
+    batches, worker = [np.arange(4)] * 50, workers(0, any_worker_has_data=any_worker_has_data)
+    dataset = DistributedDatasetsFromFunction(lambda ctx: batches, worker) if from_function else \
+        DistributedDataset(batches, worker)
+    dataset._pace["ahead"] = True  # a thread produces ahead from the first step, as after slow training steps
+    iterator = iter(dataset)
+    for _ in range(3):
+        next(iterator)
+    deadline = time.monotonic() + 5
+    while len(iterator._prefetcher._items) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the thread has produced steps ahead
+    assert len(iterator._prefetcher._items) >= 2
+    assert checks == [True] * 3
+    iterator.close()
