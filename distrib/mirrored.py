@@ -88,8 +88,11 @@ class MirroredExtended(StrategyExtended):
         worker = executing_worker()
         if self._running_thread == threading.get_ident() or (
                 worker is not None and worker.current is not None and worker.current.strategy is self._strategy_ref()):
-            raise ContextError("Strategy.close cannot be called inside the strategy's own run (in a replica function "
-                               "or a merge_fn): close it after run returns.")
+            replica = context.get_replica_context()
+            where = "a merge_fn" if replica is None else f"replica {replica.replica_id_in_sync_group}'s function"
+            raise ContextError(f"Strategy.close cannot be called inside the strategy's own run (in a replica function "
+                               f"or a merge_fn), which holds the strategy until it returns. Received: a call from "
+                               f"{where}, on thread {threading.current_thread().name!r}. Close it after run returns.")
         if self._pid != _PID[0]:  # forked during another thread's run: that thread and its lock are gone
             self._run_lock, self._running_thread = threading.Lock(), None
         acquired = False

@@ -311,17 +311,44 @@ def test_a_closed_strategy_ends_its_threads_and_refuses_to_run():
     strategy.close()  # twice is fine
 
 
-def test_close_inside_the_strategys_own_run_is_a_context_error(strategy):
-    with pytest.raises(ContextError, match="Strategy.close cannot be called inside"):
-        strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: s.close()))
-    assert sum_of_ones(strategy) == [4.0] * 4
+INSIDE_OWN_RUN = (r"^Strategy.close cannot be called inside the strategy's own run \(in a replica function or a "
+                  r"merge_fn\), which holds the strategy until it returns")
 
 
+@pytest.mark.timeout(10)  # before it was refused, this close waited for its own run for good
+@pytest.mark.parametrize("devices, execution, options", [
+    (DEVICES, "threads", None),
+    (DEVICES, "cooperative", None),
+    (DEVICES[:1], "threads", RunOptions(timeout_seconds=30)),  # one replica with a deadline: on a thread too
+], ids=["threads", "cooperative", "one replica with a deadline"])
+def test_close_inside_a_replica_function_is_a_context_error_naming_the_replica(devices, execution, options):
+    with distrib.MirroredStrategy(devices, replica_execution=execution) as strategy:
+        last = len(devices) - 1
+
+        def step():
+            if distrib.get_replica_context().replica_id_in_sync_group == last:
+                strategy.close()
+            return distrib.get_replica_context().all_reduce("SUM", np.float32(1))
+
+        with pytest.raises(ContextError, match=INSIDE_OWN_RUN) as raised:
+            strategy.run(step, options=options)
+        assert f"Received: a call from replica {last}'s function, on thread " in str(raised.value)
+        assert sum_of_ones(strategy) == [float(len(devices))] * len(devices)  # not closed, still usable
+
+
+@pytest.mark.timeout(10)
 @pytest.mark.parametrize("execution", ["threads", "cooperative"])
-def test_close_inside_a_replica_function_is_a_context_error(execution):
+def test_close_in_a_merge_fn_or_in_a_nested_runs_replica_is_a_context_error(execution):
     with distrib.MirroredStrategy(DEVICES, replica_execution=execution) as strategy:
-        with pytest.raises(ContextError, match="Strategy.close cannot be called inside"):
-            strategy.run(lambda: strategy.close())
+        with pytest.raises(ContextError, match=INSIDE_OWN_RUN) as raised:
+            strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: s.close()))
+        assert "Received: a call from a merge_fn, on thread 'MainThread'" in str(raised.value)
+
+        def nested_run(s):  # a run from a merge_fn has replica threads of its own
+            s.run(lambda: s.close())
+
+        with pytest.raises(ContextError, match=INSIDE_OWN_RUN):
+            strategy.run(lambda: distrib.get_replica_context().merge_call(nested_run))
         assert sum_of_ones(strategy) == [4.0] * 4
 
 
