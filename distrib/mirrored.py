@@ -229,8 +229,7 @@ class MirroredExtended(StrategyExtended):
         try:
             return regroup(replicas.execute(run, lambda run: self._merge(run, threads)))
         except BaseException as exc:
-            if run.error is not None and exc is run.error[1] and run.error[0] is not None and \
-                    not isinstance(exc, KeyboardInterrupt):
+            if run.error is not None and exc is run.error[1] and run.error[0] is not None:
                 name_replica(exc, run.error[0], count)
             raise
         finally:
@@ -258,7 +257,7 @@ class MirroredExtended(StrategyExtended):
                 with self._backend.device_scope(self._devices[0]):
                     result = fn(*args, **kwargs)
         except BaseException as exc:
-            if not isinstance(exc, KeyboardInterrupt) and exc is not self._merge_error:
+            if exc is not self._merge_error:
                 name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
             raise
         finally:

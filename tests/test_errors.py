@@ -87,6 +87,32 @@ def test_an_exception_with_its_own_str_names_the_replica_in_a_note(strategy):
         assert "raised in replica 1 of 4" in "".join(excinfo.value.__notes__)
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("devices, execution", [(DEVICES, "threads"), (DEVICES, "cooperative"), (DEVICES[:1], None)],
+                         ids=["threads", "cooperative", "one replica"])
+def test_a_keyboard_interrupt_or_exit_raised_in_a_replica_is_named_whichever_way_replicas_run(devices, execution,
+                                                                                              error):
+    strategy = distrib.MirroredStrategy(devices, replica_execution=execution)
+    last = len(devices) - 1
+
+    def step():
+        if replica_id() == last:
+            raise error("stop here")
+        return distrib.get_replica_context().all_reduce("SUM", np.float32(1))
+
+    with pytest.raises(error, match=rf"^stop here \(raised in replica {last} of {len(devices)}\)$") as excinfo:
+        strategy.run(step)
+    assert excinfo.value.replica_id == last
+
+    def merge_fn(_):
+        raise error("stop the merge")
+
+    with pytest.raises(error, match=r"^stop the merge$") as excinfo:  # raised cross-replica: no replica to name
+        strategy.run(lambda: distrib.get_replica_context().merge_call(merge_fn))
+    assert not hasattr(excinfo.value, "replica_id")
+    assert strategy.run(lambda: 5) == 5
+
+
 def test_replicas_waiting_at_a_collective_are_unwound_and_their_threads_reused(strategy):
     before = replica_threads()
     threads = run_threads(strategy)
