@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(os.name != "posix", re
 INTERRUPTS = 6
 
 PRELUDE = """
-import json, threading, time
+import json, signal, sys, threading, time
 import numpy as np
 import distrib
 
@@ -43,6 +43,17 @@ def settled_replica_threads(expected, timeout=10.0):
 
 def report(**fields):
     print(json.dumps(fields), flush=True)
+
+def interrupt_on_entering(code, caller=None, nth=1):
+    # a Ctrl-C at one point: SIGINT raised as this thread enters `code` (called from `caller`) for the nth time
+    entries = []
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code is code and (caller is None or frame.f_back.f_code is caller):
+            entries.append(1)
+            if len(entries) == nth:
+                sys.settrace(None)
+                signal.raise_signal(signal.SIGINT)
+    sys.settrace(tracer)
 """
 
 
@@ -213,15 +224,7 @@ def test_ctrl_c_reaches_the_caller_promptly_and_the_stuck_replica_never_joins_a_
 
 def test_ctrl_c_as_a_merge_leaves_its_frame_leaves_no_strategy_current():
     child = Child("""
-        import signal, sys
         from distrib import context
-
-        def interrupt_on_entering(code, caller):  # a Ctrl-C at one point: SIGINT raised as `caller` calls `code`
-            def tracer(frame, event, arg):
-                if event == "call" and frame.f_code is code and frame.f_back.f_code is caller:
-                    sys.settrace(None)
-                    signal.raise_signal(signal.SIGINT)
-            sys.settrace(tracer)
 
         step = lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1))
         for mode in ("threads", "cooperative"):
@@ -264,6 +267,29 @@ def test_ctrl_c_during_a_strategys_first_run_leaves_it_whole():
     """, FAST_LOOP.format(interrupts=50, threads=4))
     interrupt_quickly(child, 50)
     assert child.read() == {"equal": True, "threads": 4}
+    assert child.finish() == 0
+
+
+def test_ctrl_c_as_a_nested_run_starts_its_threads_leaves_none_of_them_behind():
+    child = Child("""
+        from distrib.replica_threads import ReplicaThread
+
+        def nested_run(s):  # a run from a merge_fn starts replica threads of its own
+            interrupt_on_entering(ReplicaThread.__init__.__code__, nth=2)  # once the first one runs
+            s.run(lambda: None)
+
+        two = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+        two.run(lambda: None)  # starts its own two threads
+        try:
+            two.run(lambda: distrib.get_replica_context().merge_call(nested_run))
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        out = two.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1)))
+        report(interrupted=interrupted, sums=[float(x) for x in two.experimental_local_results(out)],
+               threads=settled_replica_threads(2))
+    """)
+    assert child.read() == {"interrupted": True, "sums": [2.0, 2.0], "threads": 2}
     assert child.finish() == 0
 
 
