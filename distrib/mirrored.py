@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import weakref
 from typing import Any, Sequence
 
 from distrib import context, timeline
@@ -34,7 +33,8 @@ from distrib.replica_context import ReplicaContext
 from distrib.replica_team import IdleThreadsTeam, ReplicaTeam
 from distrib.replica_greenlets import runs_cooperatively, thread_replicas
 from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, count_mismatch,
-                                     executing_worker, name_replica, retire_all, wake_all)
+                                     executing_worker, name_replica, retire_all, retire_when_dropped,
+                                     wake_all)
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
 from distrib.values import LEAF_TYPES, regroup, select_replicas
@@ -65,7 +65,7 @@ class MirroredExtended(StrategyExtended):
         self._pid = _PID[0]
         self._closed = False
         # the strategy holds no reference cycle, so dropping it ends its threads at once
-        self._finalizer = weakref.finalize(container_strategy, retire_all, self._threads)
+        retire_when_dropped(container_strategy, self._threads)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} devices={self._devices}{' closed' if self._closed else ''}>"

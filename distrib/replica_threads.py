@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import _thread
 import faulthandler
+import queue
 import tempfile
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 from distrib import context, timeline
@@ -147,6 +149,7 @@ class ReplicaThread:
         self.task: Callable[[], None] | None = None  # a share of the merge's work, handed over by a ReplicaTeam
         self.wake_next: ReplicaThread | None = None  # woken by this thread as soon as it wakes (see `wake_all`)
         self.retired = False
+        _start_reaper()
         self.thread = threading.Thread(target=self._main, args=(device, backend), daemon=True,
                                        name=f"distrib-replica-{replica_id}")
         self.thread.start()
@@ -268,13 +271,41 @@ def executing_worker() -> ReplicaThread | None:
 def retire_all(threads: list[ReplicaThread]) -> None:
     """Ends every thread of `threads` (a dropped or closed strategy's); they exit once idle.
 
-    A Ctrl-C arriving meanwhile is held until every thread is retired: part-way, it would leave the rest running
-    for good when a dropped strategy's finalizer runs this (Python prints an error raised there and drops it).
+    A Ctrl-C arriving meanwhile (in `close`) is held until every thread is retired: part-way, it would leave the
+    rest waiting for a run for good.
     """
     with deferred_interrupts():
         for worker in threads:
             worker.retire()
         threads.clear()
+
+
+# A dropped strategy's threads are retired by a thread of their own, the reaper. Python code run where the strategy
+# is dropped (a weakref.finalize) can be cut short by a Ctrl-C landing in it, which Python then only prints, and
+# the threads not yet told would wait for a run for good; a queue's put, all in C, runs whole, and the Ctrl-C
+# reaches the program's next line instead.
+_dropped: queue.SimpleQueue = queue.SimpleQueue()  # weakrefs to dropped strategies
+_watched: dict[weakref.ref, list[ReplicaThread]] = {}  # each strategy's thread list, by a weakref to it
+_reaper: list[threading.Thread] = []  # this process's reaper thread, started with its first replica thread
+
+
+def retire_when_dropped(owner: Any, threads: list[ReplicaThread]) -> None:
+    """Retires the threads in `threads` (whatever the list holds then) once `owner` is dropped, without waiting for
+    a garbage collection."""
+    _watched[weakref.ref(owner, _dropped.put)] = threads
+
+
+def _start_reaper() -> None:
+    """Starts this process's reaper unless it runs (a forked child starts its own; two started at once would only
+    share the work)."""
+    if not (_reaper and _reaper[0].is_alive()):
+        _reaper[:] = [threading.Thread(target=_reap, daemon=True, name="distrib-reaper")]
+        _reaper[0].start()
+
+
+def _reap() -> None:
+    while True:
+        retire_all(_watched.pop(_dropped.get(), []))
 
 
 def count_mismatch(run: Run) -> str:
