@@ -43,8 +43,8 @@ def relaunch(processes: int, argv: list[str]) -> int:
     if mpirun is None:
         print("multi_worker_bench needs mpirun (apt-get install openmpi-bin libopenmpi-dev).", file=sys.stderr)
         return 2
-    env = dict(os.environ, DISTRIB_CPU_REPLICAS="1", DISTRIB_BACKEND="cpu", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1")
     return subprocess.call([mpirun, "-np", str(processes), sys.executable, __file__, "--launched", *argv], env=env)
 
 
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.launched:
         passed = ["--seconds", str(args.seconds)] + (["--json", str(args.json.resolve())] if args.json else [])
         return relaunch(args.processes, passed)
+    # every column moves one array per process: one emulated replica each, whatever the caller's environment says
+    os.environ.update(DISTRIB_CPU_REPLICAS="1", DISTRIB_BACKEND="cpu")
     from mpi4py import MPI
 
     import distrib

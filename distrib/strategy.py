@@ -242,7 +242,8 @@ class Strategy:
         """Records every run, merge_call, collective, pack and unpack of this process to `file_path`.
 
         The file is a Chrome trace (JSON) that Perfetto opens, written by `stop_timeline()`; see
-        `distrib.timeline`. `DISTRIB_TIMELINE=trace.json` records a whole program instead.
+        `distrib.timeline`. `DISTRIB_TIMELINE=trace.json` records a whole program instead. Under `mpirun -np N`
+        (N > 1) each rank writes its own file, `trace.rank1.json` for rank 1.
 
         Raises:
           RuntimeError: a timeline is already recording.

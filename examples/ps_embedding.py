@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=2)
     args = parser.parse_args()
+    if distrib.cluster_resolver.MPIClusterResolver().num_tasks("worker") > 1:  # every rank would train its own model
+        parser.error("this is one coordinator, which starts its workers and parameter servers as Ray actors: run it "
+                     "without mpirun (--workers and --ps set their numbers)")
 
     strategy = distrib.ParameterServerStrategy(
         RayClusterResolver(num_workers=args.workers, num_ps=args.ps),

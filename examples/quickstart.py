@@ -2,7 +2,7 @@
 
 Runs on every GPU when the CUDA backend is available, else on the CPU emulator with $DISTRIB_CPU_REPLICAS
 replicas (default 2); `--replicas N` forces N emulated CPU replicas; `mpirun -np 2 python examples/quickstart.py`
-runs it on every replica of two processes. It trains the same model on one replica
+runs it on every replica of two processes (`--replicas N`: N each). It trains the same model on one replica
 and on N replicas from the same data and shows that the weights agree, which is what data parallelism
 promises.
 """
@@ -10,6 +10,7 @@ promises.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -56,14 +57,17 @@ def train(strategy: distrib.Strategy, x: np.ndarray, y: np.ndarray, steps: int, 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=None, help="emulated CPU replicas (default: all GPUs, "
-                                                                   "else $DISTRIB_CPU_REPLICAS or 2)")
+    parser.add_argument("--replicas", type=int, default=None, help="emulated CPU replicas, per process under "
+                                                                   "mpirun (default: all GPUs, else "
+                                                                   "$DISTRIB_CPU_REPLICAS or 2)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args(argv)
 
     if distrib.cluster_resolver.MPIClusterResolver().num_tasks("worker") > 1:  # launched by mpirun -np N (N > 1)
+        if args.replicas is not None:  # read when the strategy is made: this process's emulated devices
+            os.environ["DISTRIB_CPU_REPLICAS"] = str(args.replicas)
         strategy = distrib.MultiWorkerMirroredStrategy()  # every replica of every process in one sync group
     else:
         devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]

@@ -3,6 +3,7 @@
     python3 examples/train_mlp.py                 # every GPU, else 2 emulated CPU replicas
     python3 examples/train_mlp.py --replicas 4    # 4 emulated CPU replicas
     mpirun -np 2 python3 examples/train_mlp.py    # 2 processes (each with every local GPU, or 2 emulated replicas)
+    mpirun -np 2 python3 examples/train_mlp.py --replicas 1   # 2 processes of 1 emulated replica each
 
 It is `distrib train` (whose model, distrib/cli/model.py, it shares) without the run directory, resuming and
 precision flags: a strategy, variables made in its scope, a distributed dataset, a replica step that computes
@@ -12,6 +13,7 @@ its local gradients, and an optimizer that averages them across replicas.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -31,13 +33,16 @@ def shuffled_batches(x, y, batch_size: int, seed: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, help="emulated CPU replicas (default: every GPU, else 2)")
+    parser.add_argument("--replicas", type=int, help="emulated CPU replicas, per process under mpirun (default: "
+                                                     "every GPU, else 2)")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the replicas")
     parser.add_argument("--learning-rate", type=float, default=0.003)
     args = parser.parse_args()
 
     if distrib.cluster_resolver.MPIClusterResolver().num_tasks("worker") > 1:  # launched by mpirun -np N (N > 1)
+        if args.replicas is not None:  # read when the strategy is made: this process's emulated devices
+            os.environ["DISTRIB_CPU_REPLICAS"] = str(args.replicas)
         strategy = distrib.MultiWorkerMirroredStrategy()  # every replica of every process in one sync group
     else:
         devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]

@@ -1,6 +1,8 @@
 """Helpers shared by the tests: other libraries' arrays, PyTorch or a skip, read-only results, four replicas."""
 
 import contextlib
+import os
+import shutil
 import signal
 import subprocess
 from typing import Iterator
@@ -12,6 +14,18 @@ import distrib
 from distrib.backends.cpu import CpuBackend
 
 DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
+MPIRUN = shutil.which("mpirun")
+needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin "
+                                                         "libopenmpi-dev; .ci/run installs it)")
+
+
+def mpirun_env(**extra: str) -> dict:
+    """The environment of the tests' `mpirun -np 2` jobs: 2 emulated replicas per process on every machine (on one
+    with a GPU, detection would pick NCCL), mpirun allowed as root and past the core count; plus `extra`."""
+    env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+    env.update(extra)
+    return env
 
 
 def default_sigint() -> None:
@@ -21,11 +35,11 @@ def default_sigint() -> None:
 
 
 @contextlib.contextmanager
-def interruptible(command: list[str]) -> Iterator[subprocess.Popen]:
+def interruptible(command: list[str], env: dict | None = None) -> Iterator[subprocess.Popen]:
     """`command` as a child process whose Python turns SIGINT into KeyboardInterrupt (see default_sigint), with
     text pipes; killed on the way out if it is still running."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=default_sigint)
+                               preexec_fn=default_sigint, env=env)
     try:
         yield process
     finally:

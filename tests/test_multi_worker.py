@@ -7,38 +7,35 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from support import MPIRUN, assert_one_process_with_two_replicas, default_sigint, mpirun_env, needs_mpirun
 
 import distrib
-from support import assert_one_process_with_two_replicas, default_sigint
 
 HERE = pathlib.Path(__file__).parent / "multi_worker"
+EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 sys.path.insert(0, str(HERE))
 import training  # noqa: E402
 from nested_values import ragged_nested, same_shaped  # noqa: E402
 from test_conformance import DELIBERATE_DIFFERENCES  # noqa: E402
 
-MPIRUN = shutil.which("mpirun")
-pytestmark = pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin "
-                                                       "libopenmpi-dev; .ci/run installs it)")
+pytestmark = needs_mpirun
 # Documented differences from one process, not failures: see README's multi-worker section.
 BY_DESIGN = {"datasets_from_function": "each worker runs its own input pipeline (num_input_pipelines=2)",
              "datasets_from_function_input_context": "each worker runs its own input pipeline (num_input_pipelines=2)",
              **DELIBERATE_DIFFERENCES}
 
 
-def mpirun(program: str, *args: str, timeout: float = 120, replicas: int = 2,
-           processes: int = 2) -> subprocess.CompletedProcess:
-    # the emulator's replicas on every machine: on one with a GPU, detection would pick NCCL
-    env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS=str(replicas), OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
-    return subprocess.run([MPIRUN, "-np", str(processes), sys.executable, str(HERE / program), *args], env=env,
+def mpirun(program: str, *args: str, timeout: float = 120, replicas: int = 2, processes: int = 2,
+           **env: str) -> subprocess.CompletedProcess:
+    """`program` (in tests/multi_worker) on `processes` processes x `replicas` emulated replicas; `env` added."""
+    return subprocess.run([MPIRUN, "-np", str(processes), sys.executable, str(HERE / program), *args],
+                          env=mpirun_env(DISTRIB_CPU_REPLICAS=str(replicas), **env),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -196,6 +193,34 @@ def test_a_failed_rank_gives_the_other_a_typed_error_naming_it(tmp_path, fault, 
     assert later.startswith("all_reduce cannot run: this MPI job already failed.")
 
 
+def test_a_rank_that_raises_ends_the_job_at_once_and_every_rank_writes_its_timeline(tmp_path):
+    # rank 1's program raises at the 3rd step; without the abort at exit rank 0 would wait out its 600 s timeout
+    done = mpirun("faults.py", "raise", str(tmp_path / "error.json"), "600", timeout=60,
+                  DISTRIB_TIMELINE=str(tmp_path / "trace.json"))
+    assert done.returncode != 0
+    assert "ValueError: a bug in rank 1's program" in done.stderr
+    report = json.loads((tmp_path / "error.json.0").read_text())
+    assert report["type"] == "WorkerFailedError" and report["ranks"] == [1]
+    assert report["message"].startswith("rank 1 (pid ") and " died, and the MPI launcher is ending the job" in \
+        report["message"]
+    assert report["seconds"] < 10
+    # one trace per rank, each named for its rank, written by the failing rank and its peer alike
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"trace.rank{rank}.json").read_text())["traceEvents"]
+        assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == [f"distrib rank {rank}"]
+        assert [e for e in events if e["name"] == "run"]
+    assert not (tmp_path / "trace.json").exists()
+
+
+def test_the_quickstart_example_runs_its_replicas_per_process(tmp_path):
+    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, str(EXAMPLES / "quickstart.py"), "--replicas", "1",
+                           "--steps", "3", "--rows", "64"], env=mpirun_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "replicas=2>, 2 replicas, 64 rows" in done.stdout  # --replicas 1 in each of 2 processes
+    assert done.stdout.count("max |w - w_1 replica|") == 1  # rank 0 alone reports
+
+
 def test_a_rank_killed_inside_a_transfer_ends_the_other_with_an_error_naming_it(tmp_path):
     # rank 1 is SIGKILLed while both ranks are inside the MPI call of a 32 MB all-reduce; the timeout is long, so
     # only the watchdog can end rank 0 before the subprocess timeout: no hang
@@ -225,7 +250,9 @@ def test_ctrl_c_at_mpirun_ends_every_rank_with_an_error_that_says_so():
             process.wait()
     assert process.returncode != 0
     errors = [line for line in printed.splitlines() if line.startswith("distrib.errors.WorkerFailedError")]
-    assert errors and all("or mpirun itself was interrupted (Ctrl-C) or killed" in line for line in errors), printed
+    # every rank runs here and none died: the error can say that no rank failed
+    assert errors and all("no rank failed: mpirun itself was interrupted (Ctrl-C) or killed" in line
+                          for line in errors), printed
 
 
 def test_a_rank_stopped_inside_a_transfer_aborts_the_job_past_the_timeout(tmp_path):

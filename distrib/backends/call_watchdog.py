@@ -25,6 +25,7 @@ from distrib.options import default_timeout
 
 POLL_SECONDS = 0.05
 GRACE_SECONDS = 0.2  # a call still running this long after a peer exited did not just finish as it exited
+RESTART = "Restart the job; `--resume` continues from the last checkpoint."  # after a rank failed, not a Ctrl-C
 
 
 class CallWatchdog:
@@ -42,6 +43,9 @@ class CallWatchdog:
         for sock in (self._wake, self._wakeup):
             sock.setblocking(False)
         self.terminated_at: float | None = None  # when SIGTERM last arrived (mpirun ending the job)
+        # why mpirun is ending it, read as its SIGTERM arrives: a peer that exits because of the same SIGTERM a moment
+        # later, while this rank's main thread has not handled it yet, must not be taken for the cause
+        self.ending: tuple[str, tuple[int, ...], str] | None = None  # ProcessGroup.launcher_ending()
         self.fired: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="distrib-mpi-watchdog", daemon=True)
 
@@ -63,6 +67,7 @@ class CallWatchdog:
             select.select([self._wake], [], [], POLL_SECONDS)
             try:
                 if signal.SIGTERM in self._wake.recv(256):
+                    self.ending = self.group.launcher_ending()
                     self.terminated_at = time.monotonic()
             except BlockingIOError:
                 pass
@@ -81,20 +86,21 @@ class CallWatchdog:
 
     def _failure(self, channel: Any, call: Any) -> BaseException | None:
         group = self.group
-        dead = group.dead_local_ranks()
-        if dead:
-            time.sleep(GRACE_SECONDS)
+        terminated = self.terminated_at is not None and self.terminated_at >= call.started  # earlier: raised
+        dead = () if terminated else group.dead_local_ranks()
+        if dead or terminated:
+            time.sleep(GRACE_SECONDS)  # a call whose peers are all there may still return, to raise in Python
             if channel.in_call is not call:
                 return None
-        terminated = self.terminated_at is not None and self.terminated_at >= call.started  # earlier: raised
-        if dead or terminated:
-            who = f"{group.describe(dead)} died" if dead else \
-                "the MPI launcher is ending the job (SIGTERM): another rank failed (it raised, aborted, or died on " \
-                "another host), or mpirun itself was interrupted (Ctrl-C) or killed"
+            if terminated:
+                who, dead, restart = self.ending
+                who = f"the MPI launcher is ending the job (SIGTERM): {who}"
+            else:
+                who, restart = f"{group.describe(dead)} died", RESTART
             return WorkerFailedError(
                 f"{who} during {call.operation} (collective #{call.sequence} of the job's {channel.name}), while "
                 f"rank {group.rank} was inside the MPI call, which cannot return without it: rank {group.rank} ends "
-                f"now. Restart the job; `--resume` continues from the last checkpoint.", ranks=dead)
+                f"now. {restart}".rstrip(), ranks=dead)
         limit = call.timeout if call.timeout is not None else default_timeout()
         if time.monotonic() - call.started > limit:
             stopped = group.stopped_local_ranks()

@@ -2,11 +2,12 @@
 
 Collectives run on channels (announcements.py): each is announced to every peer and made only once every peer
 has announced it, so a rank that died or stalled before a collective is named in a DeadlineExceededError past the
-timeout. When `mpirun` tears a job down because a rank died, the survivors receive SIGTERM: in Python code it
-becomes a WorkerFailedError naming the ranks (on this host) that are gone; inside an MPI call, which cannot be
-interrupted, the watchdog thread (call_watchdog.py) prints that error and ends the process. After any fault the
-group is broken: later collectives raise at once, and the process aborts the MPI job when it exits instead of
-waiting in MPI_Finalize for a peer that will never come.
+timeout. When `mpirun` tears a job down (a rank died, or mpirun itself was interrupted), every rank receives
+SIGTERM: in Python code it becomes a WorkerFailedError naming the ranks (on this host) that are gone, or saying
+that none is; inside an MPI call, which cannot be interrupted, the watchdog thread (call_watchdog.py) prints that
+error and ends the process. After any fault the group is broken: later collectives raise at once, and the process
+aborts the MPI job when it exits instead of waiting in MPI_Finalize for a peer that will never come. A rank that
+ends on an uncaught exception aborts the job too, so that its peers are told at once, not at their timeout.
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ import signal
 import socket
 import sys
 import threading
+import time
 import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
+from distrib import timeline
 from distrib.backends.announcements import Channel, missing_error
-from distrib.backends.call_watchdog import CallWatchdog
+from distrib.backends.call_watchdog import RESTART, CallWatchdog
 from distrib.errors import BackendUnavailableError, WorkerFailedError
 
 _GROUPS: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+LINGER_SECONDS = 1.5  # how long a rank that mpirun is ending waits for its SIGKILL (sent 1 s after the SIGTERM)
 
 
 def import_mpi() -> Any:
@@ -60,6 +64,7 @@ class ProcessGroup:
         self.first_replica = sum(self.replica_counts[:self.rank])
         self.num_replicas = sum(self.replica_counts)
         self.broken: BaseException | None = None
+        self.ended_by_launcher: BaseException | None = None  # the error of mpirun's SIGTERM, once it came
         oversubscribed = self.hosts.count(self.hosts[self.rank]) > (os.cpu_count() or 1)
         self.collectives = Channel(self, "collectives", oversubscribed)  # `run`'s (hot paths call its `run` directly)
         self._input = Channel(self, "input checks", oversubscribed)
@@ -126,12 +131,26 @@ class ProcessGroup:
         return ", ".join(f"rank {r} (pid {self.pids[r]} on {self.hosts[r]})" for r in ranks)
 
     def dead_local_ranks(self) -> tuple[int, ...]:
-        """Ranks on this host whose process no longer exists."""
-        return self._local_peers_whose(lambda pid: not _alive(pid))
+        """Ranks on this host whose process has exited (a zombie too: mpirun may not have reaped it yet)."""
+        return self._local_peers_whose(lambda pid: not _alive(pid) or _state(pid) == "Z")
 
     def stopped_local_ranks(self) -> tuple[int, ...]:
         """Ranks on this host whose process is stopped (SIGSTOP, a debugger): they stall without dying."""
         return self._local_peers_whose(lambda pid: _state(pid) in ("T", "t"))
+
+    def launcher_ending(self) -> tuple[str, tuple[int, ...], str]:
+        """Why mpirun is ending the job (it sent SIGTERM), the ranks on this host that died, and what to do now.
+
+        Only processes on this host can be looked at: when every rank runs here and none has died, mpirun itself
+        was interrupted (Ctrl-C) or killed, and nothing needs restarting but the job.
+        """
+        dead = self.dead_local_ranks()
+        if dead:
+            return f"{self.describe(dead)} died", dead, RESTART
+        if len(set(self.hosts)) == 1:
+            return "no rank failed: mpirun itself was interrupted (Ctrl-C) or killed", (), ""
+        return ("another rank failed (it raised an error, was killed, or runs on another host), or mpirun itself was "
+                "interrupted (Ctrl-C) or killed"), (), RESTART
 
     def _local_peers_whose(self, condition: Any) -> tuple[int, ...]:
         """The other ranks on this host whose process id satisfies `condition` (only local pids can be looked at)."""
@@ -166,11 +185,11 @@ _INSTALLED: list[bool] = []
 
 
 def _install_handlers() -> None:
-    """SIGTERM (mpirun ending the job) becomes a WorkerFailedError; a broken job aborts instead of hanging at exit."""
+    """SIGTERM (mpirun ending the job) becomes a WorkerFailedError; a failed rank ends the job instead of hanging."""
     if _INSTALLED:
         return
     _INSTALLED.append(True)
-    atexit.register(_abort_if_broken)  # registered after mpi4py's finalizer, so it runs before it
+    atexit.register(_end_at_exit)  # registered after mpi4py's finalizer, so it runs before it
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _on_terminate)
@@ -179,19 +198,32 @@ def _install_handlers() -> None:
 def _on_terminate(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process as usual
     for group in list(_GROUPS):
-        dead = group.dead_local_ranks()
-        who = f"{group.describe(dead)} died" if dead else ("another rank failed (it raised an error, was killed, "
-                                                           "or runs on another host), or mpirun itself was "
-                                                           "interrupted (Ctrl-C) or killed")
-        group.broken = WorkerFailedError(f"{who}, and the MPI launcher is ending the job (SIGTERM to rank "
-                                         f"{group.rank}). Restart the job; `--resume` continues from the last "
-                                         f"checkpoint.", ranks=dead)
+        who, dead, restart = group.watchdog.ending or group.launcher_ending()  # the watchdog looked as it came
+        group.broken = group.ended_by_launcher = WorkerFailedError(
+            f"{who}, and the MPI launcher is ending the job (SIGTERM to rank {group.rank}). {restart}".rstrip(),
+            ranks=dead)
         raise group.broken
     raise SystemExit(128 + signum)
 
 
-def _abort_if_broken() -> None:
+def _end_at_exit() -> None:
+    """Ends a failed job now: MPI_Finalize would wait forever for a rank that failed or will never finalize.
+
+    A rank whose program raised (Python sets `sys.last_value` for the uncaught exception it printed) exits with
+    status 1 at once, so mpirun ends the job and every other rank gets a WorkerFailedError naming it; one that
+    mpirun is already ending waits for mpirun to kill it. A rank that saw the job fail otherwise aborts it
+    (MPI_Abort), which also ends a peer that stalled.
+    """
     for group in list(_GROUPS):
-        if group.broken is not None:
+        raised = group.size > 1 and getattr(sys, "last_value", None) is not None
+        if group.broken is not None or raised:
+            timeline.stop()  # the trace of a failed job is the one worth reading: this skips its atexit hook
+            sys.stdout.flush()
             sys.stderr.flush()
-            group.comm.Abort(1)  # MPI_Finalize would wait forever for the failed rank
+            if group.ended_by_launcher is not None:
+                # mpirun's SIGKILL follows its SIGTERM within a second: until then, stay, so that no peer still
+                # handling that SIGTERM (its main thread busy in C code) finds this rank gone and names it the cause
+                time.sleep(LINGER_SECONDS)
+            if group.broken is None or group.ended_by_launcher is not None:
+                os._exit(1)  # mpirun ends the job and reports which rank exited with which status
+            group.comm.Abort(1)

@@ -48,13 +48,21 @@ def main(argv: list[str] | None = None) -> int:
         from distrib.cli.timeline import run
     else:
         from distrib.cli.info import run
+    from distrib.errors import WorkerFailedError
+    from distrib.mpi_env import mpi_environment
+
+    files = [f for f in (getattr(args, "json", None), getattr(args, "plot", None)) if isinstance(f, str)]
+    not_written = f"; {' and '.join(files)} not written" if files else ""
     try:
         return run(args)
     except KeyboardInterrupt:  # Ctrl-C: the rows printed so far stand; one line instead of a traceback
-        files = [f for f in (getattr(args, "json", None), getattr(args, "plot", None)) if isinstance(f, str)]
-        print(f"distrib {args.command}: interrupted" + (f"; {' and '.join(files)} not written" if files else "")
-              + ".", file=sys.stderr)
+        sys.stderr.write(f"distrib {args.command}: interrupted{not_written}.\n")
         return 130
+    except WorkerFailedError as exc:  # under mpirun: Ctrl-C reached mpirun, which ends every rank; or a rank failed
+        launched = mpi_environment()
+        if launched is None or launched[1] == 0 or 0 in exc.ranks:  # rank 0 reports, or the others if it died
+            sys.stderr.write(f"distrib {args.command}: stopped{not_written}: {exc}\n")  # one write: ranks share the log
+        return 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from distrib.checkpoint import Checkpoint
 from distrib.cli.model import MLP
 from distrib.cli.progress import History, plot_history, progress_display, read_scalars
 from distrib.datasets import DIGITS_CLASSES, load_digits
-from distrib.errors import BackendUnavailableError, CheckpointError
+from distrib.errors import BackendUnavailableError, CheckpointError, WorkerFailedError
 from distrib.mpi_env import mpi_environment
 from distrib.mirrored import MirroredStrategy
 from distrib.multi_worker import MultiWorkerMirroredStrategy
@@ -358,17 +358,19 @@ def load_history(path: Path, epochs: int) -> History:
         return History()
 
 
-def interrupted(args: argparse.Namespace, argv: list[str]) -> int:
-    """What Ctrl-C prints: where the last checkpoint is and the command that resumes from it; exit status 130."""
+def stopped(args: argparse.Namespace, argv: list[str], why: str) -> None:
+    """Says why the run stopped, where the last checkpoint is and the command that resumes from it (under mpirun,
+    an mpirun command: Ctrl-C reaches mpirun, which ends every rank with SIGTERM)."""
     checkpoint = args.out / "ckpt"
     if checkpoint.exists():
         flags = [a for a in argv if a not in ("--resume", "--overwrite")]
-        print(f"\ndistrib train: interrupted; the step in progress was abandoned. The last checkpoint is "
-              f"{checkpoint}; resume with: {shlex.join(['distrib', 'train', *flags, '--resume'])}", file=sys.stderr)
+        launched = mpi_environment()
+        mpirun = ["mpirun", "-np", str(launched[2])] if launched is not None and launched[2] > 1 else []
+        then = f"The last checkpoint is {checkpoint}; resume with: " \
+               f"{shlex.join([*mpirun, 'distrib', 'train', *flags, '--resume'])}"
     else:
-        print("\ndistrib train: interrupted before the first checkpoint (written after each epoch); nothing to "
-              "resume.", file=sys.stderr)
-    return 130
+        then = "This was before the first checkpoint (written after each epoch): nothing to resume."
+    sys.stderr.write(f"\ndistrib train: {why} {then}\n")  # one write: under mpirun, other ranks' lines go between
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,8 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             raise
         parser.error(f"--resume: {exc}")
-    except KeyboardInterrupt:  # the strategy abandoned the step whole; checkpoints are written atomically
-        return interrupted(args, sys.argv[1:] if argv is None else list(argv)) if chief else 130
+    except (KeyboardInterrupt, WorkerFailedError) as exc:  # Ctrl-C; under mpirun (Ctrl-C or a failed rank) the latter
+        ended = isinstance(exc, WorkerFailedError)  # the strategy abandoned the step whole either way
+        if chief or 0 in getattr(exc, "ranks", ()):  # rank 0 reports, or the others when it is the one that died
+            stopped(args, sys.argv[1:] if argv is None else list(argv),
+                    str(exc) if ended else "interrupted; the step in progress was abandoned.")
+        return 1 if ended else 130
     finally:
         strategy.close()
     if chief:

@@ -7,30 +7,25 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
 import pytest
+from support import MPIRUN, mpirun_env, needs_mpirun
 
 from distrib.cli.bench import report
 from distrib.cli.bench.table import COLLECTIVES, bandwidths
 
 JOB = pathlib.Path(__file__).parents[1] / "multi_worker" / "bench_job.py"
-MPIRUN = shutil.which("mpirun")
-pytestmark = pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin "
-                                                       "libopenmpi-dev; .ci/run installs it)")
+pytestmark = needs_mpirun
 NAMES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "batch_reduce")
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
-    # the emulator's devices on every machine: on one with a GPU, detection would pick NCCL
-    env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
-    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, str(JOB), str(folder)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, str(JOB), str(folder)], env=mpirun_env(),
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     tables = dict(zip(NAMES, ("# distrib bench " + part for part in done.stdout.split("# distrib bench ")[1:])))
     assert "distrib bench: error: under mpirun, broadcast's root must be one of rank 0's 2 devices" in done.stderr
@@ -120,3 +115,17 @@ def test_under_mpirun_bench_and_info_print_plain_text_on_the_launchers_terminal(
     for output in (bench, info):
         assert "\x1b[" not in output  # no colour, no redrawn progress bar: the terminal is the job's log
     assert "Avg bus bandwidth (distrib)" in bench and "backend" in info
+
+
+def test_without_mpi4py_every_rank_says_what_to_install_in_one_line(tmp_path):
+    # a module named mpi4py that cannot be imported, ahead of the installed one: what a machine without it shows
+    (tmp_path / "mpi4py").mkdir()
+    (tmp_path / "mpi4py" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'mpi4py'\", "
+                                                     "name='mpi4py')\n")
+    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, "-m", "distrib", "bench", "all_reduce", "-e", "64"],
+                          env=mpirun_env(PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("distrib bench: error: ")]
+    assert errors and all(line.startswith("distrib bench: error: Multi-worker strategies need mpi4py and an MPI "
+                                          "library: pip install 'distrib[mpi]'") for line in errors)

@@ -1,5 +1,5 @@
-"""`distrib train` under faults: Ctrl-C says where the last checkpoint is and how to resume; a damaged history
-does not stop a resume whose checkpoint is fine."""
+"""`distrib train` under faults: Ctrl-C says where the last checkpoint is and how to resume, under mpirun too; a
+damaged history does not stop a resume whose checkpoint is fine."""
 
 from __future__ import annotations
 
@@ -9,28 +9,51 @@ import sys
 import time
 
 import pytest
-from support import interruptible
+from support import MPIRUN, interruptible, mpirun_env, needs_mpirun
 
 from distrib.cli.train import main as train_main
 
 pytestmark = pytest.mark.timeout(120)
 
 
+def interrupted_after_the_first_checkpoint(command: list[str], out, env: dict | None = None):
+    """Runs `command` until `out` holds a checkpoint, then sends it SIGINT (Ctrl-C); the process, its stdout and
+    its stderr once it ended."""
+    with interruptible(command, env) as process:
+        deadline = time.monotonic() + 60
+        while not (out / "ckpt").exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (out / "ckpt").exists(), process.stderr.read() if process.poll() is not None else "no checkpoint"
+        process.send_signal(signal.SIGINT)
+        return process, *process.communicate(timeout=30)
+
+
 @pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
 def test_ctrl_c_abandons_the_step_names_the_checkpoint_and_exits_130(tmp_path):
     flags = ["--replicas", "2", "--epochs", "500", "--out", str(tmp_path)]
-    with interruptible([sys.executable, "-m", "distrib", "train", *flags]) as process:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "ckpt").exists() and process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (tmp_path / "ckpt").exists(), process.stderr.read() if process.poll() is not None else "no checkpoint"
-        process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=30)
+    process, out, err = interrupted_after_the_first_checkpoint([sys.executable, "-m", "distrib", "train", *flags],
+                                                               tmp_path)
     assert process.returncode == 130, err
     assert "Traceback" not in err
     resume = f"distrib train --replicas 2 --epochs 500 --out {tmp_path} --resume"
     assert f"The last checkpoint is {tmp_path / 'ckpt'}; resume with: {resume}" in err
     assert train_main(["--replicas", "2", "--epochs", "1", "--out", str(tmp_path), "--resume"]) == 0
+
+
+@needs_mpirun
+def test_ctrl_c_on_mpirun_says_once_that_no_rank_failed_and_how_to_resume_under_mpirun(tmp_path):
+    # the terminal's Ctrl-C reaches mpirun alone, which ends the ranks with SIGTERM
+    flags = ["--epochs", "500", "--out", str(tmp_path)]
+    process, out, err = interrupted_after_the_first_checkpoint(
+        [MPIRUN, "-np", "2", sys.executable, "-m", "distrib", "train", *flags], tmp_path, mpirun_env())
+    assert process.returncode == 1, err  # mpirun's status for a job it ended
+    assert "Traceback" not in err and "MPI_ABORT" not in err
+    reports = [line for line in err.splitlines() if line.startswith("distrib train: ")]
+    assert len(reports) == 1, err  # rank 0's, in one line
+    assert reports[0].startswith("distrib train: no rank failed: mpirun itself was interrupted (Ctrl-C) or killed, "
+                                 "and the MPI launcher is ending the job (SIGTERM to rank 0).")
+    assert reports[0].endswith(f" The last checkpoint is {tmp_path / 'ckpt'}; resume with: mpirun -np 2 distrib train "
+                               f"--epochs 500 --out {tmp_path} --resume")
 
 
 def test_a_truncated_history_warns_and_the_resume_goes_on(tmp_path, capsys):

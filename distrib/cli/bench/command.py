@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _fail(message: str) -> SystemExit:
-    print(f"distrib bench: error: {message}", file=sys.stderr)
+    sys.stderr.write(f"distrib bench: error: {message}\n")  # one write: under mpirun every rank's goes to one log
     return SystemExit(2)
 
 

@@ -78,11 +78,10 @@ def multi_worker(devices_per_process: int | None, backend_kind: str) -> tuple[An
     """A MultiWorkerMirroredStrategy over every process of the MPI job, and the Job it runs as.
 
     Raises:
+      BackendUnavailableError: mpi4py cannot be imported (the strategy says what to install).
       ValueError: -g on GPUs (each process drives its share of the host's GPUs), or processes with different
         device counts.
     """
-    from mpi4py import MPI
-
     from distrib.multi_worker import MultiWorkerMirroredStrategy
 
     if devices_per_process is not None:
@@ -95,7 +94,7 @@ def multi_worker(devices_per_process: int | None, backend_kind: str) -> tuple[An
     if len(set(group.replica_counts)) > 1:
         raise ValueError(f"distrib bench needs the same number of devices in every process, as nccl-tests does. "
                          f"Received: {list(group.replica_counts)} per rank.")
-    job = Job(MPI.COMM_WORLD.Dup(), group.first_replica, len(strategy.extended.worker_devices), group.num_replicas)
+    job = Job(group.MPI.COMM_WORLD.Dup(), group.first_replica, len(strategy.extended.worker_devices), group.num_replicas)
     return strategy, job
 
 
