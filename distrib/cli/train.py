@@ -410,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         strategy.close()
     if chief:
+        speed = f"{result.seconds:.1f} s, {result.samples_per_second:,.0f} samples/s" if result.samples_per_second \
+            else "the checkpoint had run them all, so nothing was trained (raise --epochs to train more)"
         print(f"test accuracy {result.test_accuracy:.2%} after {result.epochs} epoch{'s' * (result.epochs != 1)}; "
-              f"{result.seconds:.1f} s, {result.samples_per_second:,.0f} samples/s")
+              f"{speed}")
         print(f"checkpoint {result.checkpoint}" + (f", loss curve {result.plot}" if result.plot else ""))
     return 0

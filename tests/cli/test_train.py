@@ -56,6 +56,10 @@ def test_resume_continues_the_epochs_and_the_history(tmp_path, capsys):
     assert len(resumed["test_accuracy"]) == 4
     assert resumed["step_loss"][:len(first["step_loss"])] == first["step_loss"]  # the earlier epochs are kept
     assert len(resumed["step_loss"]) == 2 * len(first["step_loss"])
+    # resumed once every epoch has run: the accuracy, and no throughput of a training that did not happen
+    assert train_main(["--replicas", "2", "--epochs", "4", "--resume", "--out", str(tmp_path)]) == 0
+    assert "after 4 epochs; the checkpoint had run them all, so nothing was trained (raise --epochs to train more)" \
+        in capsys.readouterr().out
 
 
 def test_one_and_four_replicas_train_the_same_model(tmp_path, capsys, monkeypatch):
