@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -65,6 +65,9 @@ class ProcessGroup:
         self.num_replicas = sum(self.replica_counts)
         self.broken: BaseException | None = None
         self.ended_by_launcher: BaseException | None = None  # the error of mpirun's SIGTERM, once it came
+        # called with the error when the watchdog ends this process, whose main thread is stuck in an MPI call and
+        # so cannot report it (a command's last line: distrib train's resume command)
+        self.last_words: list[Callable[[BaseException], None]] = []
         oversubscribed = self.hosts.count(self.hosts[self.rank]) > (os.cpu_count() or 1)
         self.collectives = Channel(self, "collectives", oversubscribed)  # `run`'s (hot paths call its `run` directly)
         self._input = Channel(self, "input checks", oversubscribed)

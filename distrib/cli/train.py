@@ -393,6 +393,16 @@ def main(argv: list[str] | None = None) -> int:
     if chief:
         print(f"{strategy!r}: {strategy.num_replicas_in_sync} replicas, global batch {args.global_batch_size}, "
               f"{args.optimizer} lr {args.learning_rate}, {args.precision}")
+    flags = sys.argv[1:] if argv is None else list(argv)
+
+    def report_stop(exc: BaseException) -> None:  # rank 0 reports, or the others when it is the one that died
+        if chief or 0 in getattr(exc, "ranks", ()):
+            interrupted = isinstance(exc, KeyboardInterrupt)
+            stopped(args, flags, "interrupted; the step in progress was abandoned." if interrupted else str(exc))
+
+    group = getattr(strategy.extended.backend, "group", None)  # the processes of a multi-worker job
+    if group is not None:  # a rank ended by its watchdog, inside an MPI call, reports through it
+        group.last_words.append(report_stop)
     emulated = strategy.extended.backend.xp is np  # on GPUs the replicas' math is not the host's BLAS
     try:
         with shared_cores(replicas_at_once(strategy)) if emulated else contextlib.nullcontext():
@@ -402,11 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         parser.error(f"--resume: {exc}")
     except (KeyboardInterrupt, WorkerFailedError) as exc:  # Ctrl-C; under mpirun (Ctrl-C or a failed rank) the latter
-        ended = isinstance(exc, WorkerFailedError)  # the strategy abandoned the step whole either way
-        if chief or 0 in getattr(exc, "ranks", ()):  # rank 0 reports, or the others when it is the one that died
-            stopped(args, sys.argv[1:] if argv is None else list(argv),
-                    str(exc) if ended else "interrupted; the step in progress was abandoned.")
-        return 1 if ended else 130
+        report_stop(exc)  # the strategy abandoned the step whole either way
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         strategy.close()
     if chief:

@@ -49,9 +49,8 @@ def test_ctrl_c_on_mpirun_says_once_that_no_rank_failed_and_how_to_resume_under_
     assert process.returncode == 1, err  # mpirun's status for a job it ended
     assert "Traceback" not in err and "MPI_ABORT" not in err
     reports = [line for line in err.splitlines() if line.startswith("distrib train: ")]
-    assert len(reports) == 1, err  # rank 0's, in one line
-    assert reports[0].startswith("distrib train: no rank failed: mpirun itself was interrupted (Ctrl-C) or killed, "
-                                 "and the MPI launcher is ending the job (SIGTERM to rank 0).")
+    assert len(reports) == 1, err  # rank 0's, in one line, whether it was in Python or inside an MPI call
+    assert "no rank failed: mpirun itself was interrupted (Ctrl-C) or killed" in reports[0]
     assert reports[0].endswith(f" The last checkpoint is {tmp_path / 'ckpt'}; resume with: mpirun -np 2 distrib train "
                                f"--epochs 500 --out {tmp_path} --resume")
 
