@@ -21,10 +21,9 @@ import time
 from typing import Any, Sequence
 
 from distrib import context, timeline
-from distrib.backends import Backend, cuda_problem, detect, get_backend
+from distrib.backends import Backend, backend_for_devices
 from distrib.backends.parallel import lend, lent_team
 from distrib.cross_device_ops import CrossDeviceOps, default_cross_device_ops
-from distrib.devices import canonical_name, parse_device
 from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
 from distrib.extended import StrategyExtended
 from distrib.interrupts import deferred_interrupts
@@ -32,9 +31,9 @@ from distrib.options import CommunicationOptions, RunOptions, default_timeout
 from distrib.replica_context import ReplicaContext
 from distrib.replica_team import IdleThreadsTeam, ReplicaTeam
 from distrib.replica_greenlets import runs_cooperatively, thread_replicas
-from distrib.replica_threads import (DONE, RUNNING, WAITING, ReplicaThread, RequestedStop, Run, count_mismatch,
-                                     executing_worker, name_replica, retire_all, retire_when_dropped,
-                                     wake_all)
+from distrib.replica_threads import (DONE, WAITING, ReplicaThread, RequestedStop, Run, count_mismatch, executing_worker,
+                                     name_replica, retire_all, retire_when_dropped, wake_all)
+from distrib.run_waits import POLL_SECONDS, patience, wait_for_phase
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
 from distrib.values import LEAF_TYPES, regroup, select_replicas
@@ -42,8 +41,6 @@ from distrib.values import LEAF_TYPES, regroup, select_replicas
 # this process's id, kept current in a forked child: every run checks it, and os.getpid() is a system call
 _PID = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
-_POLL_SECONDS = 0.05
-_UNWIND_SECONDS = 0.1  # how long an interrupted run waits for its replicas to unwind before replacing threads
 
 
 class MirroredExtended(StrategyExtended):
@@ -99,7 +96,7 @@ class MirroredExtended(StrategyExtended):
         try:
             while not acquired:  # waits for a run in progress on another thread to end, unless it waits for us
                 with deferred_interrupts():  # so that a Ctrl-C cannot land between taking the lock and `acquired`
-                    acquired = self._run_lock.acquire(False) or self._run_lock.acquire(timeout=_POLL_SECONDS)
+                    acquired = self._run_lock.acquire(False) or self._run_lock.acquire(timeout=POLL_SECONDS)
                 if not acquired:
                     self._refuse_a_wait_forever(
                         "Strategy.close cannot return", "Close the strategy after its run returns, from the thread "
@@ -138,7 +135,7 @@ class MirroredExtended(StrategyExtended):
         try:
             while not acquired:
                 with deferred_interrupts():  # so that a Ctrl-C cannot land between taking the lock and `acquired`
-                    acquired = self._run_lock.acquire(False) or self._run_lock.acquire(timeout=_POLL_SECONDS)
+                    acquired = self._run_lock.acquire(False) or self._run_lock.acquire(timeout=POLL_SECONDS)
                 if not acquired:
                     self._refuse_a_wait_forever(
                         "Strategy.run cannot start", "Runs of one strategy cannot nest from a thread that a replica "
@@ -195,7 +192,7 @@ class MirroredExtended(StrategyExtended):
                     worker.run = run
                 wake_all(threads)
             while True:
-                self._wait_for_phase(run, threads)
+                wait_for_phase(run, threads)
                 if run.error is not None:
                     raise run.error[1]
                 if all(s == DONE for s in run.status):
@@ -209,7 +206,7 @@ class MirroredExtended(StrategyExtended):
                     wake_all(threads)
             return regroup(run.results)
         except BaseException as exc:
-            self._stop(run, threads, _patience(run, exc))
+            self._stop(run, threads, patience(run, exc))
             if run.error is not None and exc is run.error[1] and run.error[0] is not None:
                 name_replica(exc, run.error[0], count)
             raise
@@ -264,31 +261,6 @@ class MirroredExtended(StrategyExtended):
             del stack[depth:]
             self._inline, self._merge_error = outer, None
         return result if type(result) in LEAF_TYPES else regroup([result])  # one array: regroup's first rule
-
-    def _wait_for_phase(self, run: Run, threads: list[ReplicaThread]) -> None:
-        while not run.phase_done.acquire(timeout=_POLL_SECONDS):
-            if run.deadline is not None and time.monotonic() >= run.deadline:
-                late = [i for i, s in enumerate(run.status) if s == RUNNING]
-                raise DeadlineExceededError(
-                    f"Strategy.run did not finish within RunOptions(timeout_seconds=...): replicas {late} are "
-                    f"still running their function.\n{_stacks(threads, late)}",
-                    missing_replicas=tuple(late), operation="run")
-            with run.lock:
-                first = run.first_arrival
-                if first is None or run.woken:
-                    continue
-                arrived = [i for i, s in enumerate(run.status) if s == WAITING]
-                kind, _, _, timeout = run.requests[arrived[0]]
-                limit = timeout if timeout is not None else run.default_timeout
-                if time.monotonic() - first < limit:
-                    continue
-                missing = tuple(i for i, s in enumerate(run.status) if s == RUNNING)
-            raise DeadlineExceededError(
-                f"{kind} timed out after {limit:g} s waiting for replicas {list(missing)} (replicas {arrived} "
-                f"arrived). Every replica must make the same collective calls in the same order; a replica "
-                f"that skips one, or is stuck before it, stalls the others. Raise "
-                f"CommunicationOptions(timeout_seconds=...) or $DISTRIB_COLLECTIVE_TIMEOUT if the work is "
-                f"just slow.\n{_stacks(threads, missing)}", missing_replicas=missing, operation=kind)
 
     def _merge(self, run: Run, threads: list[ReplicaThread]) -> list:
         kinds = [r[0] for r in run.requests]
@@ -380,24 +352,6 @@ class MirroredExtended(StrategyExtended):
         return worker.rendezvous(run, (kind, merge, payload, options.timeout))
 
 
-def _patience(run: Run, exc: BaseException) -> float:
-    """How long a failed run waits for its other replicas to stop before it replaces their threads.
-
-    An error in user code waits for them (up to the collective timeout), so that no replica function still
-    runs once `run` has returned; a Ctrl-C or a timeout waits only for replicas already unwinding.
-    """
-    if not isinstance(exc, Exception) or isinstance(exc, DeadlineExceededError):
-        return _UNWIND_SECONDS
-    patience = run.default_timeout
-    if run.deadline is not None:
-        patience = min(patience, max(run.deadline - time.monotonic(), _UNWIND_SECONDS))
-    return patience
-
-
-def _stacks(threads: list[ReplicaThread], replicas: Sequence[int]) -> str:
-    return "".join(f"Replica {i} is at:\n{threads[i].stack()}" for i in replicas)
-
-
 class MirroredStrategy(Strategy):
     """Synchronous data parallelism: one replica per device, variables mirrored, collectives reduce across them.
 
@@ -425,7 +379,7 @@ class MirroredStrategy(Strategy):
 
     def __init__(self, devices: Sequence[str] | None = None, cross_device_ops: CrossDeviceOps | None = None,
                  communication_options: CommunicationOptions | None = None, *, replica_execution: str | None = None):
-        backend, devices = _resolve_devices(devices)
+        backend, devices = backend_for_devices(devices)
         if cross_device_ops is None:
             cross_device_ops = default_cross_device_ops(backend)
         elif not isinstance(cross_device_ops, CrossDeviceOps):
@@ -443,27 +397,3 @@ def checked_communication_options(options: CommunicationOptions | None) -> Commu
     if not isinstance(options, CommunicationOptions):
         raise TypeError(f"communication_options must be a CommunicationOptions. Received: {type(options).__name__}.")
     return options
-
-
-def _resolve_devices(devices: Sequence[str] | None) -> tuple[Backend, tuple[str, ...]]:
-    if devices is None:
-        backend = get_backend(detect())
-        return backend, backend.default_devices()
-    if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
-        raise TypeError(f"devices must be a list of device names such as ['GPU:0', 'GPU:1']. Received: {devices!r}.")
-    if not devices:
-        raise ValueError("devices must name at least one device. Received: [].")
-    names = tuple(canonical_name(d) for d in devices)
-    kinds = {parse_device(n).kind for n in names}
-    if len(kinds) > 1:
-        raise ValueError(f"A MirroredStrategy runs on one kind of device: all GPUs or all (emulated) CPUs. "
-                         f"Received: {list(devices)}.")
-    if kinds == {"GPU"} and (problem := cuda_problem()) is not None:
-        raise ValueError(f"Unknown devices {list(devices)}: GPU devices need the CUDA backend, but {problem}. "
-                         f"Without a GPU, name emulated CPU devices such as ['CPU:0', 'CPU:1'].")
-    backend = get_backend("cuda" if kinds == {"GPU"} else "cpu")
-    for name in names:
-        backend.check_device(name)
-    if kinds == {"CPU"} and len(set(names)) != len(names):
-        raise ValueError(f"No duplicates allowed in `devices` for emulated CPU devices. Received: {list(devices)}.")
-    return backend, names

@@ -2,6 +2,7 @@
 
 `DISTRIB_BACKEND=cpu|cuda` forces one; forcing a backend that cannot run raises `BackendUnavailableError`
 naming what is missing. Nothing falls back silently: the choice and its reason are logged once per process.
+`backend_for_devices` picks the backend a list of device names needs.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import os
 import sys
 import threading
 import warnings
+from typing import Sequence
 
 from distrib.backends.base import Backend
+from distrib.devices import canonical_name, parse_device
 from distrib.errors import BackendUnavailableError
 
 logger = logging.getLogger("distrib")
@@ -119,4 +122,30 @@ def get_multi_process_backend() -> Backend:
         return _INSTANCES[key]
 
 
-__all__ = ["Backend", "cuda_problem", "detect", "get_backend", "get_multi_process_backend"]
+def backend_for_devices(devices: Sequence[str] | None) -> tuple[Backend, tuple[str, ...]]:
+    """The backend that runs `devices` (all GPUs or all emulated CPUs) and their canonical names; None: every GPU
+    when the CUDA backend can run, else the emulated CPUs of `default_devices()`."""
+    if devices is None:
+        backend = get_backend(detect())
+        return backend, backend.default_devices()
+    if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+        raise TypeError(f"devices must be a list of device names such as ['GPU:0', 'GPU:1']. Received: {devices!r}.")
+    if not devices:
+        raise ValueError("devices must name at least one device. Received: [].")
+    names = tuple(canonical_name(d) for d in devices)
+    kinds = {parse_device(n).kind for n in names}
+    if len(kinds) > 1:
+        raise ValueError(f"A MirroredStrategy runs on one kind of device: all GPUs or all (emulated) CPUs. "
+                         f"Received: {list(devices)}.")
+    if kinds == {"GPU"} and (problem := cuda_problem()) is not None:
+        raise ValueError(f"Unknown devices {list(devices)}: GPU devices need the CUDA backend, but {problem}. "
+                         f"Without a GPU, name emulated CPU devices such as ['CPU:0', 'CPU:1'].")
+    backend = get_backend("cuda" if kinds == {"GPU"} else "cpu")
+    for name in names:
+        backend.check_device(name)
+    if kinds == {"CPU"} and len(set(names)) != len(names):
+        raise ValueError(f"No duplicates allowed in `devices` for emulated CPU devices. Received: {list(devices)}.")
+    return backend, names
+
+
+__all__ = ["Backend", "backend_for_devices", "cuda_problem", "detect", "get_backend", "get_multi_process_backend"]
