@@ -61,8 +61,7 @@ class MirroredExtended(StrategyExtended):
         self._default_timeout = default_timeout()
         self._pid = _PID[0]
         self._closed = False
-        # the strategy holds no reference cycle, so dropping it ends its threads at once
-        retire_when_dropped(container_strategy, self._threads)
+        self._retired_when_dropped = False  # set with the first threads, which dropping the strategy ends at once
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} devices={self._devices}{' closed' if self._closed else ''}>"
@@ -79,6 +78,9 @@ class MirroredExtended(StrategyExtended):
         if not self._threads:
             with deferred_interrupts():  # all of them or none: a run on some would wait for the others for good
                 self._threads.extend(ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices))
+                if not self._retired_when_dropped:  # the strategy holds no reference cycle: no collection needed
+                    retire_when_dropped(self._container_strategy, self._threads)
+                    self._retired_when_dropped = True
         return self._threads
 
     def _close(self) -> None:

@@ -291,7 +291,7 @@ _reaper: list[threading.Thread] = []  # this process's reaper thread, started wi
 
 def retire_when_dropped(owner: Any, threads: list[ReplicaThread]) -> None:
     """Retires the threads in `threads` (whatever the list holds then) once `owner` is dropped, without waiting for
-    a garbage collection."""
+    a garbage collection; call it once a thread exists, which starts the reaper."""
     _watched[weakref.ref(owner, _dropped.put)] = threads
 
 
