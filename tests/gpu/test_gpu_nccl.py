@@ -42,6 +42,19 @@ def test_a_collective_past_its_deadline_aborts_and_the_next_one_works(backend):
     np.testing.assert_array_equal(out.get(), np.ones(8, np.float32))
 
 
+def test_a_copy_to_the_host_after_a_collective_past_its_deadline_raises_its_error(backend):
+    spin = cupy.RawKernel(SPIN, "spin")
+    flat = backend.to_device(np.ones(8, np.float32), "GPU:0")
+    with backend.device_scope("GPU:0"):
+        spin((1,), (1,), (np.int64(2 * 10**9),))
+    (out,) = backend.all_reduce([flat], [(0, 8)], ["GPU:0"], False, timeout=0.2)
+    # the abort ends the collective's kernel, so the copy returns; the error must not be lost to a race with the
+    # watchdog's thread, which keeps it only once the abort has returned
+    with pytest.raises(DeadlineExceededError, match=r"^all_reduce did not complete within 0\.2 s"):
+        backend.to_host(out)
+    backend.synchronize()
+
+
 def test_collectives_return_before_the_gpu_has_run_them(backend):
     spin = cupy.RawKernel(SPIN, "spin")
     flat = backend.to_device(np.ones(8, np.float32), "GPU:0")
@@ -72,7 +85,8 @@ def test_nccl_errors_become_collective_errors_naming_the_operation(backend):
     with pytest.raises(CollectiveError, match=r"^all_reduce failed on GPUs \[0\]: NCCL reported") as info:
         comms.run("all_reduce", [0], [backend._stream(0)], invalid_datatype, timeout=10)
     assert info.value.status is not None and info.value.__cause__ is not None
-    assert not comms._groups  # aborted and forgotten
+    (clique,) = comms._groups.values()
+    assert clique.aborted and not any(comm.comm for comm in clique.comms)  # aborted: CuPy zeroed the handles
 
 
 def test_two_threads_all_reducing_over_the_same_gpus_in_opposite_orders_both_finish(backend):

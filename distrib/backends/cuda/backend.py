@@ -196,8 +196,8 @@ class CudaBackend(NcclCollectives, Backend):
             return to_numpy(array)
         array = as_cupy(array)
         with self._on(array.device.id):
-            host = array.get()  # waits for the stream, so a collective that failed before it has been seen
-        self._comms.check()
+            host = array.get()  # waits for the stream: every collective queued on it before has completed or failed
+        self._comms.settle()  # so its failure is raised here, even while the watchdog is still aborting it
         return host
 
     def empty(self, shape, dtype, device):

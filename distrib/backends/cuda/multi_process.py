@@ -50,31 +50,27 @@ class JobCommunicators(nccl_comms.Communicators):
         super().__init__()
         self._group, self._ordinals = group, tuple(ordinals)
 
-    def _communicators(self, ordinals: tuple[int, ...], operation: str) -> list[Any]:
+    def _create(self, clique: nccl_comms.Clique, operation: str) -> None:
+        ordinals = clique.ordinals
         if ordinals != self._ordinals:
             raise CollectiveError(f"{operation} must run on this rank's GPUs {list(self._ordinals)}. Received: "
                                   f"{list(ordinals)}.", operation=operation)
-        comms = self._groups.get(ordinals)
-        if comms is None:
-            group, received = self._group, []
-            group.run(f"{operation} (creating the job's NCCL communicator)", lambda: received.append(
-                group.comm.bcast(nccl.get_unique_id() if group.rank == 0 else None, root=0)), None)
-            unique_id = received[0]
-            comms = []
+        group, received = self._group, []
+        group.run(f"{operation} (creating the job's NCCL communicator)", lambda: received.append(
+            group.comm.bcast(nccl.get_unique_id() if group.rank == 0 else None, root=0)), None)
+        unique_id = received[0]
+        try:
+            nccl.groupStart()  # several communicators in one thread must be created inside one group
             try:
-                nccl.groupStart()  # several communicators in one thread must be created inside one group
-                try:
-                    for k, ordinal in enumerate(ordinals):
-                        with cupy.cuda.Device(ordinal):
-                            comms.append(nccl.NcclCommunicator(group.num_replicas, unique_id,
-                                                               group.first_replica + k))
-                finally:
-                    nccl.groupEnd()  # a group left open would hold back every later NCCL call of this thread
-            except nccl.NcclError as exc:
-                raise CollectiveError(f"NCCL could not join the job's communicator from rank {group.rank} (GPUs "
-                                      f"{list(ordinals)}): {exc}.", operation=operation, status=exc.status) from exc
-            self._groups[ordinals] = comms
-        return comms
+                for k, ordinal in enumerate(ordinals):
+                    with cupy.cuda.Device(ordinal):  # appended at once: a creation that hangs is aborted through it
+                        clique.comms.append(nccl.NcclCommunicator(group.num_replicas, unique_id,
+                                                                  group.first_replica + k))
+            finally:
+                nccl.groupEnd()  # a group left open would hold back every later NCCL call of this thread
+        except nccl.NcclError as exc:
+            raise CollectiveError(f"NCCL could not join the job's communicator from rank {group.rank} (GPUs "
+                                  f"{list(ordinals)}): {exc}.", operation=operation, status=exc.status) from exc
 
     def _announce(self, operation: str) -> int:
         return self._group.announce()

@@ -1,29 +1,40 @@
 """NCCL communicators for one process driving several GPUs: creation, group calls, the watchdog, error translation.
 
-A group call is launched and handed to the watchdog (backends/watchdog.py) with an event recorded on each
-device's stream; the caller returns at once, so collectives pipeline on the streams as NCCL's own do. NCCL has no
-timeout: a collective whose peer never starts spins forever, and errors on the network arrive asynchronously. So
-the watchdog's thread polls the events and the communicators' asynchronous errors, and past the deadline aborts the
+A group call is handed to the watchdog (backends/cuda/watchdog.py) before it is launched, and given an event
+recorded on each device's stream once it is; the caller returns at once, so collectives pipeline on the streams as
+NCCL's own do. NCCL has no timeout: a collective whose peer never starts spins forever (on the device, or on the
+host inside the launch while connections are set up), and errors on the network arrive asynchronously. So the
+watchdog's thread polls the events and the communicators' asynchronous errors, and past the deadline aborts the
 communicators of that call; the error (DeadlineExceededError, CollectiveError) is raised at the next
-synchronisation point: the next collective, `wait()`, or a copy to the host. Failed communicators are dropped; the
-next collective on those devices creates new ones.
+synchronisation point: the next collective, `wait()`, `settle()`, or a copy to the host. Failed communicators are
+dropped; the next collective on those devices creates new ones.
+
+Aborting from the watchdog's thread while another thread may be inside NCCL: `ncclCommAbort` from another thread
+is NCCL's documented way out of a call that hangs, but it frees the communicator, so nothing may touch it after
+(CuPy zeroes its handle only once the abort has returned). A Clique therefore aborts its communicators once, after
+any launch on them has returned (waiting LAUNCH_GRACE seconds for it: longer means it hangs inside NCCL, and only
+the abort ends it); the launching thread leaves them alone once they are aborted, and every collective still
+watched on them fails with a CollectiveError instead of polling them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import cupy
 from cupy.cuda import nccl
+from cupy_backends.cuda.api.runtime import CUDARuntimeError
 
 from distrib.backends.cuda.errors import NCCL_HINT as HINT
 from distrib.backends.cuda.watchdog import Watchdog, Watched
 from distrib.errors import CollectiveError, DeadlineExceededError
 
 Launch = Callable[[int, Any, int], None]  # (rank, communicator, stream pointer): issues the rank's NCCL calls
-ABORT_LOCK_SECONDS = 1.0  # how long an abort waits for a launch in progress to leave NCCL
+LAUNCH_GRACE = 1.0  # seconds an abort waits for a launch on the same communicators to return
 
 
 def version() -> int:
@@ -31,8 +42,79 @@ def version() -> int:
     return nccl.get_version()
 
 
+class _Launching:
+    """The completion event of a group call still being launched: never done (its real events replace it)."""
+
+    done = False
+
+
+LAUNCHING = _Launching()
+
+
+class Clique:
+    """The communicators of one tuple of CUDA ordinals (one per GPU), aborted at most once, never while in use.
+
+    Example:
+      >>> class Comm:
+      ...     def abort(self):
+      ...         print("aborted")
+      >>> clique = Clique((0,))
+      >>> clique.comms.append(Comm())
+      >>> clique.abort(), clique.abort()
+      aborted
+      (True, False)
+    """
+
+    def __init__(self, ordinals: tuple[int, ...]):
+        self.ordinals = ordinals
+        self.comms: list[Any] = []  # appended as they are created (an abort must reach one whose creation hangs)
+        self.ready = False  # every communicator created
+        self.aborted = False
+        self._launching = False
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def launching(self) -> Iterator[None]:
+        """Marks NCCL calls on the communicators in progress (one launching thread at a time)."""
+        with self._changed:
+            self._launching = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._launching = False
+                self._changed.notify_all()
+
+    def abort(self) -> bool:
+        """Aborts the communicators (never `destroy`, which can hang) once a launch on them has returned, or after
+        LAUNCH_GRACE seconds if it has not; True if this call aborted them, False if they already were."""
+        with self._changed:
+            if self.aborted:
+                return False
+            self.aborted = True
+            self._changed.wait_for(lambda: not self._launching, timeout=LAUNCH_GRACE)
+            for comm in list(self.comms):
+                comm.abort()
+            return True
+
+    def poll_errors(self, operation: str) -> None:
+        """Raises NCCL's asynchronous error on any of the communicators, or CollectiveError once they are aborted."""
+        with self._changed:
+            if self.aborted:
+                raise CollectiveError(f"{operation} on GPUs {list(self.ordinals)} was cut short: its communicators "
+                                      f"were aborted after an earlier collective on them failed, so its result is "
+                                      f"void.", operation=operation)
+            if self.ready:
+                for comm in self.comms:
+                    comm.check_async_error()
+
+    def __repr__(self) -> str:
+        state = "aborted" if self.aborted else "ready" if self.ready else "being created"
+        return f"<Clique GPUs={list(self.ordinals)} {state}>"
+
+
 class Communicators:
-    """One communicator per device for each tuple of distinct CUDA ordinals, made with `initAll` on first use.
+    """One Clique of communicators for each tuple of distinct CUDA ordinals, made with `initAll` on first use.
 
     Every group call of the process is serialised, whatever its tuple: a communicator must never be used by two
     threads at once, and two tuples that share a GPU must queue their kernels on its stream in the same order as
@@ -42,26 +124,35 @@ class Communicators:
     """
 
     def __init__(self):
-        self._groups: dict[tuple[int, ...], list[Any]] = {}
-        self._launch_lock = threading.RLock()  # reentrant: a launch that fails aborts its communicators under it
-        self._lock = threading.Lock()
+        self._groups: dict[tuple[int, ...], Clique] = {}
+        self._launch_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _groups
         self.watchdog = Watchdog()
 
-    def _communicators(self, ordinals: tuple[int, ...], operation: str) -> list[Any]:
-        comms = self._groups.get(ordinals)
-        if comms is None:
-            try:
-                with cupy.cuda.Device(ordinals[0]):  # initAll switches devices; restore the current one after
-                    comms = nccl.NcclCommunicator.initAll(list(ordinals))
-            except nccl.NcclError as exc:
-                raise CollectiveError(f"NCCL could not create communicators for GPUs {list(ordinals)} ({exc}). "
-                                      f"{HINT}", operation=operation, status=exc.status) from exc
-            self._groups[ordinals] = comms
-        return comms
+    def _clique(self, ordinals: tuple[int, ...]) -> Clique:
+        with self._lock:
+            clique = self._groups.get(ordinals)
+            if clique is None or clique.aborted:
+                clique = self._groups[ordinals] = Clique(ordinals)
+            return clique
+
+    def _create(self, clique: Clique, operation: str) -> None:
+        """Creates the clique's communicators, appending each to `clique.comms` as it is made."""
+        try:
+            with cupy.cuda.Device(clique.ordinals[0]):  # initAll switches devices; restore the current one after
+                clique.comms.extend(nccl.NcclCommunicator.initAll(list(clique.ordinals)))
+        except nccl.NcclError as exc:
+            raise CollectiveError(f"NCCL could not create communicators for GPUs {list(clique.ordinals)} ({exc}). "
+                                  f"{HINT}", operation=operation, status=exc.status) from exc
 
     def check(self) -> None:
         """Raises the error of a collective that failed since the last check (see the module docstring)."""
         self.watchdog.check()
+
+    def settle(self) -> None:
+        """Retires what has completed, waiting for an abort in progress, then raises the first failure, if any: after
+        the host has waited for a stream, an error of the collectives queued on it surfaces here at the latest."""
+        self.watchdog.settle()
 
     def wait(self) -> None:
         """Blocks until every launched collective has completed or failed; raises the first failure."""
@@ -69,43 +160,65 @@ class Communicators:
 
     def run(self, operation: str, ordinals: Sequence[int], streams: Sequence[Any], launch: Launch,
             timeout: float) -> None:
-        """Issues `launch` for every rank inside one NCCL group and hands the call to the watchdog; returns at once.
+        """Issues `launch` for every rank inside one NCCL group, watched from before the launch; returns at once.
 
         Raises:
           DeadlineExceededError, CollectiveError: an earlier collective failed (raised once, here or at the next
-            synchronisation point); or NCCL or CUDA refused this launch, whose communicators were then aborted.
+            synchronisation point); or NCCL or CUDA refused this launch (or it hung past `timeout`), and its
+            communicators were aborted.
         """
         self.watchdog.check()
         ordinals = tuple(ordinals)
         sequence = self._announce(operation)
         with self._launch_lock:
-            comms = self._communicators(ordinals, operation)
+            clique = self._clique(ordinals)
+            # watched before the launch: a launch that hangs inside NCCL (a peer that never connects) is aborted too
+            watched = Watched(operation, [LAUNCHING], time.monotonic() + timeout,
+                              poll_errors=functools.partial(self._poll_errors, operation, clique), abort=clique.abort,
+                              timeout_error=functools.partial(self._late, operation, ordinals, timeout, sequence))
+            self.watchdog.watch(watched)
             try:
-                nccl.groupStart()
-                try:
-                    for rank, (ordinal, comm, stream) in enumerate(zip(ordinals, comms, streams)):
-                        with cupy.cuda.Device(ordinal):
-                            launch(rank, comm, stream.ptr)
-                finally:
-                    nccl.groupEnd()
-                events = []
-                for ordinal, stream in zip(ordinals, streams):
-                    with cupy.cuda.Device(ordinal):
-                        events.append(stream.record(cupy.cuda.Event(disable_timing=True)))
-            except (nccl.NcclError, cupy.cuda.runtime.CUDARuntimeError) as exc:
-                self._abort(ordinals, comms)
-                raise self._failed(operation, ordinals, exc) from exc
-        self.watchdog.watch(Watched(operation, events, time.monotonic() + timeout,
-                                    poll_errors=lambda: self._poll_errors(operation, ordinals, comms),
-                                    abort=lambda: self._abort(ordinals, comms),
-                                    timeout_error=lambda: self._late(operation, ordinals, timeout, sequence)))
+                with clique.launching():
+                    if not clique.ready:
+                        self._create(clique, operation)
+                        clique.ready = True
+                    watched.events = self._launch(clique, streams, launch)
+            except BaseException as exc:
+                self._launch_failed(operation, clique, watched, exc)
+                raise
 
-    def _poll_errors(self, operation: str, ordinals: tuple[int, ...], comms: list[Any]) -> None:
+    @staticmethod
+    def _launch(clique: Clique, streams: Sequence[Any], launch: Launch) -> list[Any]:
+        """The group call itself; the completion event recorded on each device's stream after it."""
+        nccl.groupStart()
         try:
-            for comm in comms:
-                comm.check_async_error()
+            for rank, (ordinal, comm, stream) in enumerate(zip(clique.ordinals, clique.comms, streams)):
+                with cupy.cuda.Device(ordinal):
+                    launch(rank, comm, stream.ptr)
+        finally:
+            nccl.groupEnd()  # a group left open would hold back every later NCCL call of this thread
+        events = []
+        for ordinal, stream in zip(clique.ordinals, streams):
+            with cupy.cuda.Device(ordinal):
+                events.append(stream.record(cupy.cuda.Event(disable_timing=True)))
+        return events
+
+    def _launch_failed(self, operation: str, clique: Clique, watched: Watched, exc: BaseException) -> None:
+        """After a launch raised: some ranks' calls may be queued, waiting for the others forever, so the clique is
+        aborted (unless the watchdog did, past the deadline: then its error is raised); NCCL's and CUDA's errors
+        are raised as CollectiveError."""
+        retired = not self.watchdog.forget(watched)
+        clique.abort()
+        if retired:
+            self.watchdog.check()  # the watchdog's error (the deadline, naming the missing ranks) if nobody took it
+        if isinstance(exc, (nccl.NcclError, CUDARuntimeError)):
+            raise self._failed(operation, clique.ordinals, exc) from exc
+
+    def _poll_errors(self, operation: str, clique: Clique) -> None:
+        try:
+            clique.poll_errors(operation)
         except nccl.NcclError as exc:
-            raise self._failed(operation, ordinals, exc) from exc
+            raise self._failed(operation, clique.ordinals, exc) from exc
 
     @staticmethod
     def _failed(operation: str, ordinals: tuple[int, ...], exc: Exception) -> CollectiveError:
@@ -127,26 +240,9 @@ class Communicators:
             f"CommunicationOptions(timeout_seconds=...) or $DISTRIB_COLLECTIVE_TIMEOUT if the work is just slow.",
             operation=operation)
 
-    def _abort(self, ordinals: tuple[int, ...], comms: list[Any]) -> None:
-        """Aborts `comms` (never `destroy`, which can hang) and forgets them if they are still the current ones.
-
-        Called by the watchdog's thread too: it waits for a launch in progress (launches hold the lock for
-        microseconds), so no thread is inside NCCL on a communicator as it is freed, nor picks it up afterwards.
-        A launch hung inside NCCL is aborted all the same after `ABORT_LOCK_SECONDS`: that is NCCL's way out.
-        """
-        locked = self._launch_lock.acquire(timeout=ABORT_LOCK_SECONDS)
-        try:
-            with self._lock:
-                if self._groups.get(ordinals) is comms:
-                    del self._groups[ordinals]
-            for comm in comms:
-                comm.abort()
-        finally:
-            if locked:
-                self._launch_lock.release()
-
     def abort(self, ordinals: Sequence[int]) -> None:
         """Aborts the current communicators of `ordinals` and forgets them."""
-        comms = self._groups.get(tuple(ordinals))
-        if comms is not None:
-            self._abort(tuple(ordinals), comms)
+        with self._lock:
+            clique = self._groups.pop(tuple(ordinals), None)
+        if clique is not None:
+            clique.abort()

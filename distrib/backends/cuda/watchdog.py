@@ -23,12 +23,17 @@ THREAD_PAUSES = (1e-3, 1e-2)  # the watchdog thread's poll interval, doubling fr
 
 @dataclass(eq=False)
 class Watched:
-    """One launched collective: its completion events (anything with a `done` property), deadline and callbacks."""
+    """One collective: its completion events (anything with a `done` property), deadline and callbacks.
+
+    A collective may be watched before its launch returns, with events that are not done yet; the launching thread
+    sets `events` once it has them, or `forget`s it if the launch failed.
+    """
 
     operation: str
     events: Sequence[Any]
     deadline: float  # time.monotonic() seconds
-    poll_errors: Callable[[], None]  # raises the library's error if the communicators report an asynchronous one
+    poll_errors: Callable[[], None]  # raises the library's error if the communicators report an asynchronous one,
+    #                                  or were aborted (asked first: a collective cut short by an abort completes too)
     abort: Callable[[], None]  # aborts the communicators, so their pending device work ends
     timeout_error: Callable[[], BaseException]  # the error to raise past the deadline
     launched: float = field(default_factory=time.monotonic)
@@ -77,6 +82,25 @@ class Watchdog:
         if error is not None:
             raise error
 
+    def settle(self) -> None:
+        """One pass over the watched collectives (after any pass in progress, an abort included), then `check()`.
+
+        Once the host has waited for a stream, this raises the failure of any collective queued on it: its events are
+        done, so this pass retires it, or the pass in progress that is aborting it has kept its error.
+        """
+        self._poll()
+        self.check()
+
+    def forget(self, watched: Watched) -> bool:
+        """Stops watching `watched` (after any pass in progress); False if it was no longer watched (retired)."""
+        with self._poll_lock, self._lock:
+            try:
+                self._watched.remove(watched)
+            except ValueError:
+                return False
+            self._lock.notify_all()
+            return True
+
     def wait(self) -> None:
         """Blocks until every watched collective has completed or failed, then raises the first failure, if any.
 
@@ -99,11 +123,11 @@ class Watchdog:
             failure: BaseException | None = None
             now = time.monotonic()
             for watched in list(self._watched):
-                if all(event.done for event in watched.events):
-                    finished.append(watched)
-                    continue
                 try:
                     watched.poll_errors()
+                    if all(event.done for event in watched.events):  # a failed query (a CUDA error) fails it too
+                        finished.append(watched)
+                        continue
                     if now > watched.deadline:
                         raise watched.timeout_error()
                 except BaseException as exc:  # the collective failed: abort it and keep its error for the caller

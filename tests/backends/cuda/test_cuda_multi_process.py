@@ -75,9 +75,10 @@ def test_joining_the_communicator_closes_its_nccl_group_when_it_fails():
     from cupy_backends.cuda.api.runtime import CUDARuntimeError
 
     from distrib.backends.cuda.multi_process import JobCommunicators
+    from distrib.backends.cuda.nccl import Clique
     from distrib.errors import CollectiveError
 
     with pytest.raises((CollectiveError, CUDARuntimeError)):  # NCCL refuses rank 1 of 1; without a GPU, CUDA fails
-        JobCommunicators(OneRank(), [0])._communicators((0,), "all_reduce")
+        JobCommunicators(OneRank(), [0])._create(Clique((0,)), "all_reduce")
     with pytest.raises(nccl.NcclError):  # no group is left open to hold back this thread's later NCCL calls
         nccl.groupEnd()
