@@ -62,11 +62,14 @@ class Stager:
     def __init__(self):
         self.pool = PinnedPool()
         self._threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._threads is None:
-            self._threads = concurrent.futures.ThreadPoolExecutor(STAGING_THREADS, thread_name_prefix="distrib-stage")
-        return self._threads
+        with self._lock:  # replica threads prefetch at once: one pool of threads for all of them
+            if self._threads is None:
+                self._threads = concurrent.futures.ThreadPoolExecutor(STAGING_THREADS,
+                                                                      thread_name_prefix="distrib-stage")
+            return self._threads
 
     def upload(self, host: np.ndarray, out: cupy.ndarray, stream: Any) -> tuple[int, Any]:
         """Queues the copy of C-contiguous `host` into `out` (same bytes) on `stream`; returns (nbytes, the pinned
@@ -80,6 +83,7 @@ class Stager:
         def stage(start: int, size: int) -> None:
             np.copyto(pinned[start:start + size], source[start:start + size])
 
+        staged: list[concurrent.futures.Future] = []
         try:
             if len(chunks) == 1 or STAGING_THREADS == 1:
                 for start, size in chunks:
@@ -91,6 +95,10 @@ class Stager:
                 done.result()  # in order: chunk k is queued while later chunks are still being filled
                 (out.data + start).copy_from_host_async(ctypes.c_void_p(memory.ptr + start), size, stream)
             return nbytes, memory
-        except BaseException:  # chunks already queued still read the buffer: it returns once they are done
+        except BaseException:  # chunks already queued still read the buffer: it returns once they are done, and
+            # once no staging thread writes into it any more (it could be handed out again meanwhile)
+            for later in staged:
+                later.cancel()
+            concurrent.futures.wait(staged)
             self.pool.release_after(stream.record(cupy.cuda.Event(disable_timing=True)), [(nbytes, memory)])
             raise
