@@ -96,6 +96,25 @@ def test_pack_and_unpack_round_trip_a_plan(backend):
                 np.testing.assert_array_equal(out.get(), values[member.index])
 
 
+@pytest.mark.parametrize("mean", [False, True])
+def test_complex64_views_at_an_odd_float32_offset_reduce_on_a_shared_gpu(backend, mean):
+    # CuPy's view can place complex64 pairs 4 bytes past their alignment; a pack of one would hand such an array
+    # to the reduce kernel, whose 8-byte reads would end the CUDA context
+    from distrib.plan import NATIVE, all_reduce_plan
+
+    rng = np.random.default_rng(6)
+    datas = [random(rng, 6, "complex64") for _ in range(4)]
+    views = [backend.to_device(np.concatenate([[0], d.view(np.float32)]).astype(np.float32), "GPU:0")[1:]
+             .view(np.complex64) for d in datas]
+    assert all(v.data.ptr % 8 == 4 for v in views)
+    plan = all_reduce_plan(plan_concat_split([((6,), np.complex64)], 1), NATIVE, mean, 4)
+    got = backend.execute(plan, [[v] for v in views], ["GPU:0"] * 4)
+    want = CpuBackend().execute(plan, [[d] for d in datas], [f"CPU:{i}" for i in range(4)])
+    assert_same([g.get() for (g,) in got], [np.asarray(w) for (w,) in want], exact=True)
+    total = backend.add_n(views, "GPU:0")
+    np.testing.assert_array_equal(total.get(), CpuBackend().add_n(datas, "CPU:0"))
+
+
 def test_add_n_sums_in_order_with_numpys_promotion(backend):
     arrays = [np.arange(5, dtype=np.int32), np.ones(5, np.float32), np.full(5, 0.5, np.float64)]
     out = backend.add_n([backend.to_device(a, "GPU:0") for a in arrays], "GPU:0")

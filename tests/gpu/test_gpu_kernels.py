@@ -135,3 +135,15 @@ def test_a_complex_view_off_its_pair_alignment_is_refused_before_launch(dtype):
     odd = parts[1:].view(dtype)  # starts on the second part: a misaligned pair for reduce.cu
     with pytest.raises(ValueError, match=f"reduce_{dtype} reads \\(real, imaginary\\) pairs aligned"):
         KERNELS.reduce(dtype, odd.size, [odd], [odd])
+
+
+def test_a_misaligned_view_copied_by_aligned_reduces_and_the_gpu_stays_usable():
+    from distrib.backends.cuda.arrays import aligned
+
+    view = cupy.asarray(np.arange(9, dtype=np.float32))[1:].view(np.complex64)  # 4 bytes off its pairs' alignment
+    assert view.data.ptr % 8 == 4
+    copy = aligned(view)  # by memcpy, byte for byte: a typed copy kernel would fault on the view too
+    assert copy.data.ptr % 8 == 0 and aligned(copy) is copy
+    out = cupy.empty(4, np.complex64)
+    KERNELS.reduce("complex64", 4, [copy, copy], [out])
+    np.testing.assert_array_equal(out.get(), 2 * np.arange(1, 9, dtype=np.float32).view(np.complex64))

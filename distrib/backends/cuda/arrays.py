@@ -52,3 +52,18 @@ def upload(host: np.ndarray) -> cupy.ndarray:
     except (TypeError, ValueError) as exc:
         raise TypeError(f"CuPy {cupy.__version__} cannot hold dtype {host.dtype} on a GPU. Received: an array of "
                         f"dtype {host.dtype} and shape {host.shape}.") from exc
+
+
+def aligned(array: cupy.ndarray) -> cupy.ndarray:
+    """Contiguous `array`, or a copy of it on the current stream if its address is not a multiple of its itemsize.
+
+    CUDA reads an element of N bytes from an address that is a multiple of N, and a misaligned read is a sticky
+    error that ends the process's CUDA context. CuPy's allocations are aligned, but `.view()` can misalign (a
+    complex64 view of float32 memory at an odd offset): such an array is copied by memcpy, byte for byte (a typed
+    copy kernel would fault on it too).
+    """
+    if array.data.ptr % array.dtype.itemsize == 0:
+        return array
+    copy = cupy.empty(array.shape, array.dtype)
+    copy.data.copy_from_device_async(array.data, array.nbytes)
+    return copy

@@ -15,7 +15,7 @@ from distrib.backends.base import Backend
 from distrib.backends.cuda import devices as cuda_devices
 from distrib.backends.cuda import errors as cuda_errors
 from distrib.backends.cuda import nccl as nccl_comms
-from distrib.backends.cuda.arrays import as_cupy, on_gpu, upload
+from distrib.backends.cuda.arrays import aligned, as_cupy, on_gpu, upload
 from distrib.backends.cuda.collectives import NcclCollectives
 from distrib.backends.cuda.results import Outputs
 from distrib.backends.cpu import to_numpy
@@ -240,8 +240,8 @@ class CudaBackend(NcclCollectives, Backend):
         ordinal = self._ordinal(device)
         members = self._members("pack", arrays, ordinal)
         with self._on(ordinal):
-            if len(members) == 1:
-                return members[0].ravel()  # a view when contiguous: nothing to copy
+            if len(members) == 1:  # a view when contiguous and aligned: nothing to copy
+                return aligned(members[0].ravel())  # the reduce kernel reads it (a fresh flat always is aligned)
             flat = cupy.empty(buffer.size, members[0].dtype)
             self._kernels.move(flat, [cupy.ascontiguousarray(m) for m in members], pack=True)
         return flat

@@ -27,8 +27,6 @@ WORD_SIZES = (16, 8, 4, 2, 1)
 WORDS_PER_THREAD = 8  # pack.cu's kWordsPerThread: each block moves tiles of BLOCK * WORDS_PER_THREAD words
 UPDATE_SLOTS = {"sgd": 0, "momentum": 1, "nesterov": 1, "adam": 2}  # optimizer.cu's rules and their slot counts
 UPDATE_DTYPES = {"float16": "float32", "float32": "float32", "float64": "float64"}  # parameter -> math dtype
-# reduce.cu's Pair<T> is aligned to both parts: stricter than a part, so a view starting at an odd part would fault
-COMPLEX_ALIGNMENT = {"complex64": 8, "complex128": 16}
 
 
 _INCLUDE = re.compile(r'^#include "([\w.]+)"$', re.MULTILINE)
@@ -85,6 +83,22 @@ def move_table(member_pointers: Sequence[int], member_nbytes: Sequence[int],
     combined = flat_pointer | int(np.bitwise_or.reduce(pointers, initial=0) | np.bitwise_or.reduce(byte_offsets))
     width = _widest_word(combined)  # one OR over every address: a Python loop over 1,000 members cost ~100 us
     return width, np.concatenate([pointers, byte_offsets // width])
+
+
+def check_aligned(kernel: str, pointers: np.ndarray, width: int, unit: str = "elements") -> None:
+    """Raises ValueError unless every address in `pointers` is a multiple of `width`, the kernel's element size.
+
+    Every kernel reads each type at its own size, and reduce.cu's Pair<T> is aligned to both parts (one wide load
+    per complex value): a misaligned read is a sticky CUDA error that ends the context, so it is refused here.
+
+    Example:
+      >>> check_aligned("reduce_complex64", np.array([0x1000, 0x2008]), 8, "(real, imaginary) pairs")
+    """
+    combined = int(np.bitwise_or.reduce(pointers, initial=0))
+    if combined % width:
+        bad = next(int(p) for p in pointers if p % width)
+        raise ValueError(f"{kernel} reads {unit} aligned to {width} bytes. Received: an array at {bad:#x}, off "
+                         f"that alignment (a view of other memory?); pass a copy.")
 
 
 def update_kernel(rule: str, dtype: str) -> str:
@@ -155,15 +169,17 @@ class Kernels:
             kernel((blocks(tiles),), (BLOCK,), (flat, cupy.asarray(table), np.int32(len(members))))
 
     def reduce(self, wire: str, count: int, sources: Sequence[Any], outputs: Sequence[Any], divisor: int = 1) -> None:
-        """outputs[k][:count] = sum of sources[j][:count] in order (in `wire` type elements), divided by `divisor`."""
+        """outputs[k][:count] = sum of sources[j][:count] in order (in `wire` type elements), divided by `divisor`.
+
+        Raises:
+          ValueError: an array's address is not a multiple of its itemsize (arrays.aligned makes one that is).
+        """
         import cupy
 
         if count:
-            pointers = [a.data.ptr for a in (*sources, *outputs)]
-            if wire in COMPLEX_ALIGNMENT and any(p % COMPLEX_ALIGNMENT[wire] for p in pointers):
-                raise ValueError(f"reduce_{wire} reads (real, imaginary) pairs aligned to "
-                                 f"{COMPLEX_ALIGNMENT[wire]} bytes. Received: addresses {[hex(p) for p in pointers]}.")
-            table = np.array(pointers, np.int64)
+            table = np.array([a.data.ptr for a in (*sources, *outputs)], np.int64)
+            unit = "(real, imaginary) pairs" if wire.startswith("complex") else "elements"
+            check_aligned(f"reduce_{wire}", table, sources[0].dtype.itemsize, unit)
             kernel = self.function("reduce.cu", f"reduce_{wire}")
             kernel((blocks(count),), (BLOCK,), (cupy.asarray(table), np.int32(len(sources)),
                                                  np.int32(len(outputs)), np.int64(count), np.int32(divisor)))

@@ -209,6 +209,25 @@ def test_optimizer_launches_group_tensors_by_device_and_dtype_in_order():
     assert cuda_kernels.update_groups(keys) == {(0, "float32"): [0, 3], (1, "float32"): [1, 4], (0, "float16"): [2]}
 
 
+class Placed:
+    """Stands for a CuPy array at an address: what the reduce launcher reads before it launches."""
+
+    def __init__(self, ptr: int, dtype: str):
+        self.data = type("MemoryPointer", (), {"ptr": ptr})()
+        self.dtype = np.dtype(dtype)
+
+
+def test_the_reduce_launcher_refuses_a_complex64_view_at_an_odd_float32_offset():
+    # reduce.cu reads complex64 as 8-byte pairs: a misaligned read would end the CUDA context, so it never launches
+    sources = [Placed(0x7F0000001000, "complex64"), Placed(0x7F0000002004, "complex64")]
+    with pytest.raises(ValueError, match=r"^reduce_complex64 reads \(real, imaginary\) pairs aligned to 8 bytes\. "
+                                         r"Received: an array at 0x7f0000002004"):
+        cuda_kernels.Kernels().reduce("complex64", 4, sources, [Placed(0x7F0000003000, "complex64")])
+    with pytest.raises(ValueError, match="^reduce_complex128 reads .* aligned to 16 bytes"):
+        cuda_kernels.Kernels().reduce("complex128", 4, [Placed(0x7F0000001008, "complex128")],
+                                      [Placed(0x7F0000003000, "complex128")])
+
+
 def test_grids_are_bounded_and_never_empty():
     assert cuda_kernels.blocks(0) == 1
     assert cuda_kernels.blocks(cuda_kernels.BLOCK + 1) == 2
