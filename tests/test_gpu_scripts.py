@@ -76,3 +76,18 @@ def test_gpu_check_skips_a_step_the_budget_has_no_time_left_for(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert summary.startswith("SKIP  versions  (no time left in the --budget of 12 s)")
+
+
+def _distribution(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement.strip())[0].lower().replace("_", "-")
+
+
+def test_the_wheels_carried_to_gpu_machines_cover_every_runtime_dependency():
+    # the GPU machines install with --no-deps and no index: a dependency missing from the list fails the suite there
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = [line.split("#")[0] for line in (ROOT / "bench/gpu_wheels.txt").read_text().splitlines()]
+    carried = {_distribution(line) for line in lines if line.strip()}
+    runtime = {_distribution(r) for r in project["dependencies"]} - {"numpy"}  # the image's, which CuPy is built on
+    assert runtime <= carried
+    assert carried <= runtime | {_distribution(r) for r in project["optional-dependencies"]["test"]}
