@@ -177,16 +177,22 @@ def all_reduce_rows(args, cupy, nccl, backend, devices, ordinals) -> list[dict]:
             sync()
             return max(cupy.cuda.get_elapsed_time(a, b) for a, b in zip(starts, ends)) * 1e3 / args.iters
 
+        devices_of = [cupy.cuda.Device(o) for o in ordinals]
+
+        def device_sync():  # every stream: the peers queue on their own (CuPy's current one, torch's), not on ours
+            for d in devices_of:
+                d.synchronize()
+
         def synchronised(step) -> float:
-            """Host time of one call and the synchronisation after it: median over args.iters."""
+            """Host time of one call and the device-wide synchronisation after it: median over args.iters."""
             for _ in range(args.warmup_iters):
                 step()
-                sync()
+                device_sync()
             samples = []
             for _ in range(args.iters):
                 t0 = time.perf_counter()
                 step()
-                sync()
+                device_sync()
                 samples.append(time.perf_counter() - t0)
             return statistics.median(samples) * 1e6
 
