@@ -186,7 +186,11 @@ class Kernels:
 
     def update(self, rule: str, params: Sequence[Any], grads: Sequence[Any], slots: Sequence[Sequence[Any]],
                coefficients: Sequence[Any]) -> None:
-        """Applies `rule` in place to contiguous params of one dtype and their slots (math dtype): one launch."""
+        """Applies `rule` in place to contiguous params of one dtype and their slots (math dtype): one launch.
+
+        Raises:
+          ValueError: an array's address is not a multiple of its itemsize (a gradient viewed from other memory).
+        """
         import cupy
 
         dtype = params[0].dtype.name
@@ -195,6 +199,9 @@ class Kernels:
         total = int(table[-1])
         if total:
             math = np.dtype(UPDATE_DTYPES[dtype]).type
-            kernel = self.function("optimizer.cu", update_kernel(rule, dtype))
+            name, count = update_kernel(rule, dtype), len(params)
+            check_aligned(name, table[:count], params[0].dtype.itemsize)
+            check_aligned(name, table[count:count * (2 + UPDATE_SLOTS[rule])], np.dtype(math).itemsize)
+            kernel = self.function("optimizer.cu", name)
             kernel((blocks(total),), (BLOCK,), (cupy.asarray(table), np.int32(len(params)),
                                                  *(math(c) for c in coefficients)))

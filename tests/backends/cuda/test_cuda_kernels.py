@@ -210,11 +210,11 @@ def test_optimizer_launches_group_tensors_by_device_and_dtype_in_order():
 
 
 class Placed:
-    """Stands for a CuPy array at an address: what the reduce launcher reads before it launches."""
+    """Stands for a CuPy array at an address: what the launchers read before they launch."""
 
-    def __init__(self, ptr: int, dtype: str):
+    def __init__(self, ptr: int, dtype: str, size: int = 4):
         self.data = type("MemoryPointer", (), {"ptr": ptr})()
-        self.dtype = np.dtype(dtype)
+        self.dtype, self.size = np.dtype(dtype), size
 
 
 def test_the_reduce_launcher_refuses_a_complex64_view_at_an_odd_float32_offset():
@@ -226,6 +226,13 @@ def test_the_reduce_launcher_refuses_a_complex64_view_at_an_odd_float32_offset()
     with pytest.raises(ValueError, match="^reduce_complex128 reads .* aligned to 16 bytes"):
         cuda_kernels.Kernels().reduce("complex128", 4, [Placed(0x7F0000001008, "complex128")],
                                       [Placed(0x7F0000003000, "complex128")])
+
+
+def test_the_optimizer_launcher_refuses_a_misaligned_gradient():
+    params, slots = [Placed(0x7F0000001000, "float16")], [[Placed(0x7F0000003000, "float32")]]
+    with pytest.raises(ValueError, match=r"^momentum_float16 reads elements aligned to 4 bytes"):
+        cuda_kernels.Kernels().update("momentum", params, [Placed(0x7F0000002002, "float32")], slots,
+                                      (np.float32(0.1), np.float32(0.9)))
 
 
 def test_grids_are_bounded_and_never_empty():
