@@ -179,9 +179,10 @@ class Communicators:
             self.watchdog.watch(watched)
             try:
                 with clique.launching():
-                    if not clique.ready:
+                    if not clique.ready:  # bounded by the timeout too, but not counted against the collective's
                         self._create(clique, operation)
                         clique.ready = True
+                        watched.deadline = time.monotonic() + timeout
                     watched.events = self._launch(clique, streams, launch)
             except BaseException as exc:
                 self._launch_failed(operation, clique, watched, exc)

@@ -49,11 +49,13 @@ class Event:
 class Stream:
     ptr = 0
 
-    def __init__(self, done: bool):
-        self.recorded_done = done
+    def __init__(self, done: bool, after: float = 0.0):
+        self.recorded_done, self.after = done, after  # done at once, never, or `after` seconds from its record
 
     def record(self, event):
-        event.done = self.recorded_done
+        event.done = self.recorded_done and not self.after
+        if self.after:
+            threading.Timer(self.after, lambda: setattr(event, "done", True)).start()
         return event
 
 
@@ -105,6 +107,21 @@ def test_a_launch_that_hangs_inside_nccl_is_aborted_at_its_deadline(fake_cuda):
     assert [call for call in log if call != "check_async_error"] == ["all_reduce", "abort"]
     assert log[-1] == "abort"
     comms.check()  # raised once
+
+
+def test_creating_the_communicators_does_not_count_against_the_first_collectives_deadline(fake_cuda):
+    log = []
+
+    class SlowToCreate(FakeCommunicators):
+        def _create(self, clique, operation):
+            time.sleep(0.25)  # NCCL's initialisation takes time of its own, within the timeout
+            super()._create(clique, operation)
+
+    comms = SlowToCreate(log)
+    launch = lambda rank, comm, stream: comm.call("all_reduce")  # noqa: E731
+    comms.run("all_reduce", [0], [Stream(done=True, after=0.25)], launch, timeout=0.4)  # 0.5 s in all
+    comms.wait()
+    assert "abort" not in log
 
 
 def test_an_abort_waits_for_a_launch_on_the_same_communicators_to_return():
