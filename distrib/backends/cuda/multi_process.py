@@ -59,6 +59,7 @@ class JobCommunicators(nccl_comms.Communicators):
         group.run(f"{operation} (creating the job's NCCL communicator)", lambda: received.append(
             group.comm.bcast(nccl.get_unique_id() if group.rank == 0 else None, root=0)), None)
         unique_id = received[0]
+        clique.check_open(operation)  # not past the deadline while the ranks met: no communicator outlives it
         try:
             nccl.groupStart()  # several communicators in one thread must be created inside one group
             try:

@@ -70,6 +70,7 @@ class Clique:
         self.comms: list[Any] = []  # appended as they are created (an abort must reach one whose creation hangs)
         self.ready = False  # every communicator created
         self.aborted = False
+        self._aborted_count = 0  # how many of `comms` the abort reached
         self._launching = False
         self._changed = threading.Condition()
 
@@ -93,9 +94,22 @@ class Clique:
                 return False
             self.aborted = True
             self._changed.wait_for(lambda: not self._launching, timeout=LAUNCH_GRACE)
-            for comm in list(self.comms):
-                comm.abort()
+            self._abort_from(0)
             return True
+
+    def _abort_from(self, first: int) -> None:
+        for comm in self.comms[first:]:
+            comm.abort()
+        self._aborted_count = len(self.comms)
+
+    def check_open(self, operation: str) -> None:
+        """Raises CollectiveError if the clique was aborted (past its deadline) while its communicators were being
+        created, first aborting those made after the abort (a creation that waited for peers, then went on)."""
+        with self._changed:
+            if self.aborted:
+                self._abort_from(self._aborted_count)
+                raise CollectiveError(f"{operation} could not use GPUs {list(self.ordinals)}: their communicators "
+                                      f"were aborted past the deadline while being created.", operation=operation)
 
     def poll_errors(self, operation: str) -> None:
         """Raises NCCL's asynchronous error on any of the communicators, or CollectiveError once they are aborted."""
@@ -181,6 +195,7 @@ class Communicators:
                 with clique.launching():
                     if not clique.ready:  # bounded by the timeout too, but not counted against the collective's
                         self._create(clique, operation)
+                        clique.check_open(operation)
                         clique.ready = True
                         watched.deadline = time.monotonic() + timeout
                     watched.events = self._launch(clique, streams, launch)

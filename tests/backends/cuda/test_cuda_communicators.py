@@ -124,6 +124,20 @@ def test_creating_the_communicators_does_not_count_against_the_first_collectives
     assert "abort" not in log
 
 
+def test_communicators_made_after_their_creation_passed_the_deadline_are_aborted(fake_cuda):
+    log = []
+
+    class LateToCreate(FakeCommunicators):
+        def _create(self, clique, operation):
+            time.sleep(1.0)  # the ranks met (the unique id's broadcast) only after the deadline
+            super()._create(clique, operation)
+
+    comms = LateToCreate(log)
+    with pytest.raises(DeadlineExceededError, match="^all_reduce did not complete within 0.1 s"):
+        comms.run("all_reduce", [0], [Stream(done=True)], lambda rank, comm, stream: None, timeout=0.1)
+    assert log == ["abort"]  # made after the watchdog's abort, aborted before anything used it
+
+
 def test_an_abort_waits_for_a_launch_on_the_same_communicators_to_return():
     log = []
     clique = Clique((0,))
