@@ -94,10 +94,11 @@ class Clique:
                 return False
             self.aborted = True
             self._changed.wait_for(lambda: not self._launching, timeout=LAUNCH_GRACE)
-            self._abort_from(0)
+            self._abort_from(self._aborted_count)  # check_open may have aborted some while this waited
             return True
 
     def _abort_from(self, first: int) -> None:
+        """Aborts comms[first:], the ones no abort has reached yet (always with `_changed` held)."""
         for comm in self.comms[first:]:
             comm.abort()
         self._aborted_count = len(self.comms)
