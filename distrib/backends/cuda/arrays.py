@@ -54,6 +54,12 @@ def upload(host: np.ndarray) -> cupy.ndarray:
                         f"dtype {host.dtype} and shape {host.shape}.") from exc
 
 
+def contiguous(array: cupy.ndarray) -> cupy.ndarray:
+    """`array` if C-contiguous, else a C-contiguous copy, in its own shape: `cupy.ascontiguousarray` (as NumPy's)
+    makes a 0-d array 1-d, which a count or a loss reduced across replicas must not become."""
+    return array if array.flags.c_contiguous else cupy.ascontiguousarray(array)
+
+
 def aligned(array: cupy.ndarray) -> cupy.ndarray:
     """Contiguous `array`, or a copy of it on the current stream if its address is not a multiple of its itemsize.
 

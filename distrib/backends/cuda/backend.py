@@ -15,11 +15,12 @@ from distrib.backends.base import Backend
 from distrib.backends.cuda import devices as cuda_devices
 from distrib.backends.cuda import errors as cuda_errors
 from distrib.backends.cuda import nccl as nccl_comms
-from distrib.backends.cuda.arrays import aligned, as_cupy, on_gpu, upload
+from distrib.backends.cuda.arrays import aligned, as_cupy, contiguous, on_gpu, upload
 from distrib.backends.cuda.collectives import NcclCollectives
 from distrib.backends.cuda.results import Outputs
 from distrib.backends.cpu import to_numpy
 from distrib.backends.cuda.staging import Stager
+from distrib.backends.cuda.watchdog import wait_for
 from distrib.backends.cuda.kernels import UPDATE_DTYPES, UPDATE_SLOTS, Kernels, update_groups
 from distrib.plan import Buffer
 from distrib.devices import parse_device
@@ -151,29 +152,39 @@ class CudaBackend(NcclCollectives, Backend):
     def prefetch_to_device(self, values, device):
         """Host batches to `device` through pooled pinned memory on a side stream, so the copy overlaps the step.
 
-        The device buffers come from the device's own stream (allocated after the work queued so far, which
-        the side stream waits for, so reused pool memory is never overwritten early); the device's stream then
-        waits on the copy's event, so kernels that use the batch start only after it has arrived, without the
-        host waiting. Staging (backends/cuda/staging.py) fills reused pinned buffers in parallel, chunk by chunk,
-        each chunk's copy queued as soon as it is staged; a buffer returns to the pool once its copy has completed.
+        The device buffers are allocated on the device's own stream first, and only then does the side stream wait
+        for the work queued on it so far: pool memory handed out again was last used by kernels queued before the
+        allocation, so the copy never overwrites what they still read, also while other threads (replicas, the
+        input pipeline) queue kernels and free arrays meanwhile. The device's stream then waits on the copy's event,
+        so kernels that use the batch start only after it has arrived, without the host waiting. Staging
+        (backends/cuda/staging.py) fills reused pinned buffers in parallel, chunk by chunk, each chunk's copy queued
+        as soon as it is staged; a buffer returns to the pool once its copy has completed.
         """
         ordinal = self._ordinal(device)
         stream, side = self._stream(ordinal), self._side_stream(ordinal)
-        out, staged = [], []
+        out: list[Any] = []
+        uploads: list[tuple[np.ndarray, cupy.ndarray]] = []
         with cupy.cuda.Device(ordinal):
-            with stream:
+            for value in values:
+                if on_gpu(value):
+                    out.append(self.to_device(value, device))
+                    continue
+                host = to_numpy(value)
+                if not host.flags.c_contiguous:  # np.ascontiguousarray alone would make a 0-d array 1-d
+                    host = np.ascontiguousarray(host)
+                with stream:
+                    array = cupy.empty(host.shape, host.dtype)
+                if host.nbytes:
+                    uploads.append((host, array))
+                out.append(array)
+            if not uploads:
+                return out
+            with stream:  # after the allocations above: see the docstring
                 side.wait_event(stream.record(cupy.cuda.Event(disable_timing=True)))
+            staged = []
             try:
-                for value in values:
-                    if on_gpu(value):
-                        out.append(self.to_device(value, device))
-                        continue
-                    host = np.ascontiguousarray(to_numpy(value))
-                    with stream:
-                        array = cupy.empty(host.shape, host.dtype)
-                    if host.nbytes:
-                        staged.append(self._stager.upload(host, array, side))
-                    out.append(array)
+                for host, array in uploads:
+                    staged.append(self._stager.upload(host, array, side))
             finally:  # also when a value fails part-way: the copies already queued still read their pinned
                 # buffers and write device memory that `stream` may hand out again once the arrays are dropped
                 done = side.record(cupy.cuda.Event(disable_timing=True))
@@ -196,7 +207,8 @@ class CudaBackend(NcclCollectives, Backend):
             return to_numpy(array)
         array = as_cupy(array)
         with self._on(array.device.id):
-            host = array.get()  # waits for the stream: every collective queued on it before has completed or failed
+            wait_for([cupy.cuda.get_current_stream().record(cupy.cuda.Event(disable_timing=True))])
+            host = array.get()  # every collective queued on the stream before has completed or failed
         self._comms.settle()  # so its failure is raised here, even while the watchdog is still aborting it
         return host
 
@@ -223,7 +235,7 @@ class CudaBackend(NcclCollectives, Backend):
         source = array.device.id
         source_stream, stream = self._stream(source), self._stream(ordinal)
         with self._on(source):
-            array = cupy.ascontiguousarray(array)
+            array = contiguous(array)
         with self._on(ordinal):
             out = cupy.empty(array.shape, array.dtype)
             free = stream.record(cupy.cuda.Event(disable_timing=True))
@@ -243,7 +255,7 @@ class CudaBackend(NcclCollectives, Backend):
             if len(members) == 1:  # a view when contiguous and aligned: nothing to copy
                 return aligned(members[0].ravel())  # the reduce kernel reads it (a fresh flat always is aligned)
             flat = cupy.empty(buffer.size, members[0].dtype)
-            self._kernels.move(flat, [cupy.ascontiguousarray(m) for m in members], pack=True)
+            self._kernels.move(flat, [contiguous(m) for m in members], pack=True)
         return flat
 
     def unpack(self, flat, buffer: Buffer):
@@ -276,14 +288,21 @@ class CudaBackend(NcclCollectives, Backend):
             group = [items[k] for k in positions]
             with self._on(ordinal):
                 self._kernels.update(rule, [var._writable() for var, _, _ in group],
-                                     [cupy.ascontiguousarray(grad) for _, grad, _ in group],
+                                     [contiguous(grad) for _, grad, _ in group],
                                      [[slot._writable() for slot in slots] for _, _, slots in group], coefficients)
         return True
 
     def synchronize(self) -> None:
+        """Waits for everything queued on the backend's streams and on CuPy's legacy default stream of each of its
+        GPUs (which follows every blocking stream: torch's and CuPy's default ones), by polling events."""
         self._comms.wait()  # returns (or raises) once the watchdog has seen every collective complete or fail
+        events = []
         for ordinal in list(self._streams):
-            cupy.cuda.Device(ordinal).synchronize()
+            with cupy.cuda.Device(ordinal):
+                for stream in (self._streams[ordinal], self._side_streams.get(ordinal), cupy.cuda.Stream.null):
+                    if stream is not None:
+                        events.append(stream.record(cupy.cuda.Event(disable_timing=True)))
+        wait_for(events)
         self._comms.check()
 
     def __repr__(self) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 
 from distrib.backends.cuda import dtypes as cuda_dtypes
 from distrib.backends.cuda import nccl as nccl_comms
-from distrib.backends.cuda.arrays import aligned, as_cupy, on_gpu
+from distrib.backends.cuda.arrays import aligned, as_cupy, contiguous, on_gpu
 from distrib.backends.packed import FLOAT_PREFIXES, execute_pack_by_pack, unpack_into
 from distrib.options import default_timeout
 from distrib.plan import HIERARCHICAL, RING
@@ -175,7 +175,7 @@ class NcclCollectives:
             return [self.copy(source, d) for d in devices]
         root = ordinals.index(source.device.id)
         with self._on(source.device.id):
-            source = cupy.ascontiguousarray(source)
+            source = contiguous(source)
         outputs = []
         for ordinal in ordinals:
             with self._on(ordinal):
@@ -198,7 +198,7 @@ class NcclCollectives:
         dtype = np.result_type(*(a.dtype for a in placed))
         wire = cuda_dtypes.kernel_wire(dtype.name, "add_n")
         with self._on(ordinal):
-            sources = [aligned(cupy.ascontiguousarray(a.astype(dtype, copy=False))) for a in placed]
+            sources = [aligned(contiguous(a.astype(dtype, copy=False))) for a in placed]
             out = cupy.empty(shape, dtype)
             self._kernels.reduce(wire.dtype, out.size * wire.factor, sources, [out])
         return out

@@ -21,6 +21,22 @@ MAX_CALLER_SLEEP = 1e-3  # a waiting caller sleeps at most this long between pol
 THREAD_PAUSES = (1e-3, 1e-2)  # the watchdog thread's poll interval, doubling from the first to the second
 
 
+def wait_for(events: Sequence[Any]) -> None:
+    """Returns once every event (anything with a `done` property) is done, polling as `Watchdog.wait` does.
+
+    The host waits for the GPU this way rather than by a blocking CUDA synchronise: on 2026-11-27's H200, a
+    cudaDeviceSynchronize after an NCCL call took 2.4 ms however little was queued, while polling sees a short
+    collective done within microseconds.
+    """
+    start = time.monotonic()
+    pause = 0.0
+    for event in events:
+        while not event.done:
+            if time.monotonic() - start >= SPIN_SECONDS:
+                pause = min(MAX_CALLER_SLEEP, max(pause * 2, 2e-5))
+                time.sleep(pause)
+
+
 @dataclass(eq=False)
 class Watched:
     """One collective: its completion events (anything with a `done` property), deadline and callbacks.
