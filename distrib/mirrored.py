@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
 from distrib import context, timeline
 from distrib.backends import Backend, backend_for_devices
 from distrib.backends.parallel import lend, lent_team
@@ -36,7 +38,7 @@ from distrib.replica_threads import (DONE, WAITING, ReplicaThread, RequestedStop
 from distrib.run_waits import POLL_SECONDS, patience, wait_for_phase
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
-from distrib.values import LEAF_TYPES, regroup, select_replicas
+from distrib.values import LEAF_TYPES, map_structure, regroup, select_replicas
 
 # this process's id, kept current in a forked child: every run checks it, and os.getpid() is a system call
 _PID = [os.getpid()]
@@ -183,7 +185,17 @@ class MirroredExtended(StrategyExtended):
         # new replica contexts for every run: kept by the strategy, they would hold it in a reference cycle
         count, strategy, first = len(self._devices), self._container_strategy, self._first_local_replica
         return Run(strategy, tuple(ReplicaContext(strategy, first + i, first) for i in range(count)), fn,
-                   select_replicas(args, count), select_replicas(kwargs, count), self._default_timeout, deadline)
+                   self._selected(args, count), self._selected(kwargs, count), self._default_timeout, deadline)
+
+    def _selected(self, structure: Any, count: int) -> list[Any]:
+        """Each local replica's part of run's args or kwargs. On GPUs, NumPy arrays among them are uploaded to the
+        replica's device, as TensorFlow converts them to tensors there: a CuPy operation refuses a host array."""
+        selected = select_replicas(structure, count)
+        if self._host_arrays or not structure:
+            return selected
+        return [map_structure(lambda leaf, d=device: self._backend.to_device(leaf, d)
+                              if isinstance(leaf, np.ndarray) else leaf, part)
+                for part, device in zip(selected, self._devices)]
 
     def _run(self, fn, args, kwargs, threads: list[ReplicaThread], deadline: float | None):
         count = len(self._devices)
@@ -244,9 +256,9 @@ class MirroredExtended(StrategyExtended):
         strategy = self._strategy_ref()
         first = self._first_local_replica
         replica = ReplicaContext(strategy, first, first)
-        args = select_replicas(args, 1)[0]
+        args = self._selected(args, 1)[0]
         if kwargs:
-            kwargs = select_replicas(kwargs, 1)[0]
+            kwargs = self._selected(kwargs, 1)[0]
         outer, self._inline = self._inline, replica
         stack, depth = context.push(strategy, replica)
         try:
