@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -36,6 +37,18 @@ class History:
         saved = cls(**json.loads(path.read_text())) if path.exists() else cls()
         steps = saved.epoch_end_step[epochs - 1] if 0 < epochs <= len(saved.epoch_end_step) else 0
         return cls(saved.step_loss[:steps], saved.epoch_end_step[:epochs], saved.test_accuracy[:epochs])
+
+
+class TrainingDiverged(ArithmeticError):
+    """The training loss became NaN or infinite: every later step would only spread it through the weights."""
+
+
+def check_finite(losses: list, first_step: int, epoch: int) -> None:
+    """Raises TrainingDiverged naming the first step (1-based, counted over the whole run) whose loss is not finite."""
+    for k, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            raise TrainingDiverged(f"the training loss became {loss} at step {first_step + k} (epoch {epoch + 1}), "
+                                   f"so training stopped (a lower --learning-rate usually avoids that).")
 
 
 def read_scalars(backend, device: str, values: list) -> list:

@@ -30,7 +30,8 @@ from distrib.backends import detect, get_backend
 from distrib.backends.parallel import usable_cores
 from distrib.checkpoint import Checkpoint
 from distrib.cli.model import MLP
-from distrib.cli.progress import History, plot_history, progress_display, read_scalars
+from distrib.cli.progress import (History, TrainingDiverged, check_finite, plot_history, progress_display,
+                                   read_scalars)
 from distrib.datasets import DIGITS_CLASSES, load_digits
 from distrib.errors import BackendUnavailableError, CheckpointError, WorkerFailedError
 from distrib.mpi_env import mpi_environment
@@ -145,6 +146,7 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
 
             def show_pending() -> None:  # one read for many steps, so the device runs ahead of the host meanwhile
                 losses = read_scalars(strategy.extended.backend, first_device, pending)
+                check_finite(losses, len(history.step_loss) + 1, epoch_index)  # before a NaN epoch is checkpointed
                 history.step_loss.extend(losses)
                 pending.clear()
                 if losses:
@@ -411,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.resume:
             raise
         parser.error(f"--resume: {exc}")
+    except TrainingDiverged as exc:  # the last checkpoint holds the last epoch whose losses were all finite
+        if chief:
+            stopped(args, flags, str(exc))
+        return 1
     except (KeyboardInterrupt, WorkerFailedError) as exc:  # Ctrl-C; under mpirun (Ctrl-C or a failed rank) the latter
         report_stop(exc)  # the strategy abandoned the step whole either way
         return 130 if isinstance(exc, KeyboardInterrupt) else 1

@@ -64,3 +64,19 @@ def test_a_truncated_history_warns_and_the_resume_goes_on(tmp_path, capsys):
     captured = capsys.readouterr()
     assert f"distrib train: {history} is damaged (" in captured.err
     assert "after 2 epochs" in captured.out
+
+
+def test_a_loss_that_becomes_nan_stops_training_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    flags = ["--replicas", "2", "--out", str(tmp_path)]
+    assert train_main([*flags, "--epochs", "1"]) == 0
+    checkpoint = (tmp_path / "ckpt").read_bytes()
+    history = (tmp_path / "history.json").read_text()
+    capsys.readouterr()
+    with pytest.warns(RuntimeWarning):  # NumPy's overflow warnings on the way to the NaN
+        status = train_main([*flags, "--epochs", "3", "--resume", "--learning-rate", "1e30"])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "distrib train: the training loss became nan at step " in err and "(epoch 2), so training stopped" in err
+    assert f"The last checkpoint is {tmp_path / 'ckpt'}" in err
+    assert (tmp_path / "ckpt").read_bytes() == checkpoint  # no NaN weights saved over it
+    assert (tmp_path / "history.json").read_text() == history
