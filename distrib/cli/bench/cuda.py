@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 
 from distrib.backends.cuda.dtypes import NCCL_OPS, NCCL_TYPES
+from distrib.backends.cuda.watchdog import wait_for
 from distrib.cli.bench.runners import Prepared, RowSpec
 
 
@@ -122,9 +123,8 @@ class NcclSeries:
                     launch(r, comm, stream.ptr)
             nccl.groupEnd()
 
-        def sync():
-            for stream in self._streams:
-                stream.synchronize()
+        def sync():  # polls, as nccl-tests does (cudaStreamQuery): a blocking wait can cost milliseconds to wake
+            wait_for(self._streams)
 
         def outputs(_):
             return [recv.get() if name != "reduce" or r == spec.local_index(spec.root) else None
