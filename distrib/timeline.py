@@ -35,6 +35,9 @@ recording: "Timeline | None" = None  # the timeline hooks write to; None when of
 _nvtx: tuple[Callable[[str], Any], Callable[[], Any]] | None = None
 _lock = threading.Lock()
 _instrumented: list[tuple[type, str, str, Callable]] = []  # (class, method name, category, the method unwrapped)
+# while recording: (class, method name) -> (what the class's own dict held before, the timed wrapper put there)
+_replaced: dict[tuple[type, str], tuple[Any, Callable]] = {}
+_ABSENT = object()  # the class inherited the method
 
 
 class Timeline:
@@ -224,12 +227,31 @@ def instrument(cls: type, methods: dict[str, str]) -> None:
                 continue
             _instrumented.append((cls, name, category, function))
             if recording is not None:
-                setattr(cls, name, timed(function, name, category))
+                _wrap(cls, name, category, getattr(cls, name))
 
 
 def _wrap_instrumented(on: bool) -> None:
-    for cls, name, category, function in _instrumented:
-        setattr(cls, name, timed(function, name, category) if on else function)
+    """Wraps the instrumented methods as the classes hold them now (so wrappers added since, such as the CUDA
+    backend's error translation, stay inside the timing), or puts back what each class held before."""
+    if on:
+        current = [(cls, name, category, getattr(cls, name)) for cls, name, category, _ in _instrumented]
+        for cls, name, category, method in current:  # read first: a subclass must not time its parent's wrapper
+            _wrap(cls, name, category, method)
+        return
+    for (cls, name), (before, wrapper) in list(_replaced.items()):
+        if cls.__dict__.get(name) is wrapper:  # else something wrapped it since: leave that in place
+            if before is _ABSENT:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, before)
+    _replaced.clear()
+
+
+def _wrap(cls: type, name: str, category: str, method: Callable) -> None:
+    wrapper = timed(method, name, category)
+    before = _replaced[cls, name][0] if (cls, name) in _replaced else cls.__dict__.get(name, _ABSENT)
+    _replaced[cls, name] = (before, wrapper)
+    setattr(cls, name, wrapper)
 
 
 def use_nvtx(push: Callable[[str], Any], pop: Callable[[], Any]) -> None:

@@ -114,3 +114,21 @@ def test_the_multi_process_backends_own_methods_translate_foreign_errors_too():
         for name in cuda.PROTOCOL_METHODS:
             outermost = getattr(cls, name)  # wrappers nest (timeline, translation): the translation must be outside
             assert outermost.__code__ is translation, f"{cls.__name__}.{name} is not translated"
+
+
+def test_recording_a_timeline_keeps_the_translation_and_stopping_it_puts_every_method_back(tmp_path):
+    from distrib import timeline
+    from distrib.backends.cuda import backend as cuda
+    from distrib.backends.cuda.multi_process import MultiProcessCudaBackend
+
+    classes = (cuda.CudaBackend, MultiProcessCudaBackend)
+    before = [{name: vars(cls).get(name) for name in cuda.PROTOCOL_METHODS} for cls in classes]
+    timeline.start(str(tmp_path / "trace.json"))
+    try:
+        for cls in classes:  # timed while recording, each once, around the translation
+            timed = cls.all_gather
+            assert hasattr(timed, "timed_as") and not hasattr(timed.__wrapped__, "timed_as")
+            assert timed.__wrapped__.__code__ is cuda_errors.translating(lambda: None).__code__
+    finally:
+        timeline.stop()
+    assert [{name: vars(cls).get(name) for name in cuda.PROTOCOL_METHODS} for cls in classes] == before
