@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import platform
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 
@@ -44,8 +47,8 @@ def _code(version: int) -> str:
 
 
 def versions() -> dict[str, str | None]:
-    """distrib, Python, NumPy, CuPy, the CUDA runtime and driver, NCCL, mpi4py, Ray (None: not installed or
-    not loadable here; nothing here creates a CUDA context or initialises MPI)."""
+    """distrib, Python, NumPy, CuPy, the CUDA runtime and driver, NCCL, mpi4py and the MPI library, Ray (None: not
+    installed or not loadable here; nothing here creates a CUDA context or initialises MPI)."""
     found: dict[str, str | None] = {"distrib": __version__, "python": platform.python_version(),
                                     "numpy": np.__version__}
     found.update({"cupy": None, "cuda_runtime": None, "cuda_driver": None, "nccl": None})
@@ -67,4 +70,24 @@ def versions() -> dict[str, str | None]:
             pass
     for module in ("mpi4py", "ray", "pynvml", "rich", "matplotlib"):
         found[DISTRIBUTIONS[module]] = _distribution_version(module)
+        if module == "mpi4py":
+            found["mpi"] = mpi_library()
     return found
+
+
+def mpi_library() -> str | None:
+    """The MPI library, e.g. 'Open MPI v4.1.4': mpi4py's, once this process has imported mpi4py.MPI, else what
+    `mpirun --version` says (None: neither is here). A mismatch between the two is a common cause of jobs that
+    start as N copies of rank 0."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        return mpi.Get_library_version().splitlines()[0].split(",")[0].strip() or None
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        return None
+    try:
+        said = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = said.stdout.strip().splitlines()[:1]
+    return first[0].strip() if said.returncode == 0 and first else None

@@ -83,3 +83,16 @@ def test_info_says_how_emulated_replicas_run_and_why(monkeypatch):
     assert "replica execution: cooperative (DISTRIB_REPLICA_EXECUTION=cooperative)" in info()
     monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "fibers")
     assert "replica execution: none (DISTRIB_REPLICA_EXECUTION must be 'threads' or 'cooperative'" in info()
+
+
+def test_info_names_the_mpi_library_that_mpirun_would_start():
+    from support import MPIRUN
+
+    versions = json.loads(info("--json"))["versions"]
+    if MPIRUN is None:
+        assert versions["mpi"] is None
+    else:  # what `mpirun --version` says, e.g. "mpirun (Open MPI) 4.1.4"
+        said = subprocess.run([MPIRUN, "--version"], capture_output=True, text=True, timeout=30).stdout
+        assert versions["mpi"] == said.strip().splitlines()[0]
+    hidden = json.loads(info("--json", env={"PATH": os.path.dirname(sys.executable)}))["versions"]
+    assert hidden["mpi"] is None  # no mpirun on PATH and mpi4py.MPI not imported: nothing to name
