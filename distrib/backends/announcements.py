@@ -104,14 +104,25 @@ class Channel:
             finally:
                 self.in_call = None
 
-    def announce(self) -> int:
-        """Announces the next collective without waiting for the peers (who reach it later); returns its number.
+    def announce(self, what: str = "a collective", timeout: float | None = None, lead: int | None = None) -> int:
+        """Announces the next collective without waiting for the peers to reach it; returns its number.
 
-        For collectives that are launched asynchronously (NCCL's): a timeout then asks `missing`.
+        For collectives that are launched asynchronously (NCCL's): a timeout then asks `missing`. With `lead`, it
+        first waits until every peer has announced the collective `lead` before this one, so that this rank never
+        runs more than `lead` collectives ahead of any peer: a program that never waits for its results still
+        meets a peer that stalled or died at its next collectives, in Python code, where it can catch the error.
+
+        Raises:
+          DeadlineExceededError: naming the ranks that had not announced that earlier collective within `timeout`.
+          WorkerFailedError: the job already failed.
         """
         with self._lock:
+            if self.group.broken is not None:
+                self.group.check_usable(what)
             self._announce()
-            self._missing()  # takes in what has arrived, so that nothing piles up
+            missing = self._missing()  # takes in what has arrived, so that nothing piles up
+            if missing and lead is not None and min(self._seen) < self.sequence - lead:
+                self._wait_for_peers(what, timeout, self.sequence - lead)
             return self.sequence
 
     def missing(self, sequence: int) -> tuple[int, ...]:
@@ -159,20 +170,22 @@ class Channel:
                 receive.Start()
         return missing
 
-    def _wait_for_peers(self, what: str, timeout: float | None) -> None:
+    def _wait_for_peers(self, what: str, timeout: float | None, sequence: int | None = None) -> None:
+        """Returns once every peer has announced collective `sequence` (default: the last announced)."""
+        sequence = self.sequence if sequence is None else sequence
         if not self._yield:
             for _ in range(QUICK_POLLS):
-                if not self._missing():
+                if not self._missing(sequence):
                     return
         begin = time.monotonic()
         limit = timeout if timeout is not None else default_timeout()
         while True:
-            missing = self._missing()
+            missing = self._missing(sequence)
             if not missing:
                 return
             waited = time.monotonic() - begin
             if waited > limit:
-                self.group.broken = missing_error(self, what, limit, self.sequence, missing)
+                self.group.broken = missing_error(self, what, limit, sequence, missing)
                 raise self.group.broken
             if waited > SPIN_SECONDS:
                 time.sleep(NAP_SECONDS)

@@ -7,7 +7,9 @@ SIGTERM: in Python code it becomes a WorkerFailedError naming the ranks (on this
 that none is; inside an MPI call, which cannot be interrupted, the watchdog thread (call_watchdog.py) prints that
 error and ends the process. After any fault the group is broken: later collectives raise at once, and the process
 aborts the MPI job when it exits instead of waiting in MPI_Finalize for a peer that will never come. A rank that
-ends on an uncaught exception aborts the job too, so that its peers are told at once, not at their timeout.
+ends on an uncaught exception aborts the job too, so that its peers are told at once, not at their timeout. One
+whose program ends normally first waits for the collectives it launched asynchronously (NCCL's, `drains`), so that
+a peer that failed before one of them ends the job, with that collective's error, instead of MPI_Finalize hanging.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class ProcessGroup:
         # called with the error when the watchdog ends this process, whose main thread is stuck in an MPI call and
         # so cannot report it (a command's last line: distrib train's resume command)
         self.last_words: list[Callable[[BaseException], None]] = []
+        # called at exit, before MPI_Finalize: each returns once the collectives this rank launched asynchronously
+        # (NCCL's) have completed, or raises the first one's failure (their deadlines bound the wait)
+        self.drains: list[Callable[[], None]] = []
         oversubscribed = self.hosts.count(self.hosts[self.rank]) > (os.cpu_count() or 1)
         self.collectives = Channel(self, "collectives", oversubscribed)  # `run`'s (hot paths call its `run` directly)
         self._input = Channel(self, "input checks", oversubscribed)
@@ -88,12 +93,17 @@ class ProcessGroup:
         """
         self.collectives.run(what, call, timeout, *args)
 
-    def announce(self) -> int:
+    def announce(self, what: str = "a collective", timeout: float | None = None, lead: int | None = None) -> int:
         """Announces the next collective on `comm` without waiting for the peers; its number (see `missing`).
 
-        For collectives launched asynchronously on another transport (NCCL): they do not block here.
+        For collectives launched asynchronously on another transport (NCCL): they do not block here, except that
+        with `lead` this rank first waits (up to `timeout`) until no peer is more than `lead` collectives behind.
+
+        Raises:
+          DeadlineExceededError: a peer stayed more than `lead` collectives behind for `timeout` seconds.
+          WorkerFailedError: the job already failed.
         """
-        return self.collectives.announce()
+        return self.collectives.announce(what, timeout, lead)
 
     def missing(self, sequence: int) -> tuple[int, ...]:
         """The ranks that have not announced collective `sequence` on `comm` (from `run` or `announce`) yet."""
@@ -215,10 +225,14 @@ def _end_at_exit() -> None:
     A rank whose program raised (Python sets `sys.last_value` for the uncaught exception it printed) exits with
     status 1 at once, so mpirun ends the job and every other rank gets a WorkerFailedError naming it; one that
     mpirun is already ending waits for mpirun to kill it. A rank that saw the job fail otherwise aborts it
-    (MPI_Abort), which also ends a peer that stalled.
+    (MPI_Abort), which also ends a peer that stalled. A rank whose program ended normally first waits for the
+    collectives it launched asynchronously (`drains`): one that fails there, which the program never saw (a peer
+    stalled or died before it), is printed as an uncaught exception would be, and the job ends the same way.
     """
     for group in list(_GROUPS):
         raised = group.size > 1 and getattr(sys, "last_value", None) is not None
+        if not raised and group.ended_by_launcher is None:
+            _drain(group)
         if group.broken is not None or raised:
             timeline.stop()  # the trace of a failed job is the one worth reading: this skips its atexit hook
             sys.stdout.flush()
@@ -230,3 +244,19 @@ def _end_at_exit() -> None:
             if group.broken is None or group.ended_by_launcher is not None:
                 os._exit(1)  # mpirun ends the job and reports which rank exited with which status
             group.comm.Abort(1)
+
+
+def _drain(group: ProcessGroup) -> None:
+    """Waits for `group`'s asynchronous collectives still in flight; their failure breaks the group, printed."""
+    try:
+        for drain in group.drains:
+            drain()
+    except BaseException as exc:  # a collective's error, or mpirun's SIGTERM meanwhile (then `ended_by_launcher`)
+        group.broken = group.broken or exc
+        sys.stderr.write(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}\n")  # one write: ranks share it
+        sys.stderr.flush()
+        for report in group.last_words:  # the program's last line for a failure (distrib train's resume command)
+            try:
+                report(exc)
+            except Exception:  # noqa: BLE001 - nothing may keep the job from ending
+                pass

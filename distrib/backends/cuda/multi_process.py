@@ -30,6 +30,9 @@ from distrib.errors import CollectiveError, DeadlineExceededError, WorkerFailedE
 from distrib.plan import NATIVE, is_inexact
 
 
+MAX_LEAD = 2  # collectives a rank may launch past the last one every peer has launched
+
+
 def local_gpus(count: int, local_rank: int, local_size: int) -> list[int]:
     """The CUDA ordinals a rank drives: a contiguous share of the host's `count` GPUs, or one shared GPU.
 
@@ -49,6 +52,7 @@ class JobCommunicators(nccl_comms.Communicators):
     def __init__(self, group: ProcessGroup, ordinals: Sequence[int]):
         super().__init__()
         self._group, self._ordinals = group, tuple(ordinals)
+        group.drains.append(self.wait)  # at exit, before MPI_Finalize waits for every peer
 
     def _create(self, clique: nccl_comms.Clique, operation: str) -> None:
         ordinals = clique.ordinals
@@ -73,8 +77,16 @@ class JobCommunicators(nccl_comms.Communicators):
             raise CollectiveError(f"NCCL could not join the job's communicator from rank {group.rank} (GPUs "
                                   f"{list(ordinals)}): {exc}.", operation=operation, status=exc.status) from exc
 
-    def _announce(self, operation: str) -> int:
-        return self._group.announce()
+    def _announce(self, operation: str, timeout: float | None = None) -> int:
+        """Announces the collective, once no peer is more than MAX_LEAD collectives behind (within `timeout`): the
+        launches return at once, so a program that never waits for a result would otherwise run past a peer that
+        stalled or died, and meet the error only at exit."""
+        try:
+            return self._group.announce(operation, timeout, lead=MAX_LEAD)
+        except DeadlineExceededError as exc:
+            late = exc
+        self.watchdog.settle()  # raises the error of the collective the peer never launched, if already kept
+        raise late
 
     def _late(self, operation: str, ordinals: tuple[int, ...], timeout: float, sequence: int | None) -> BaseException:
         """Names the ranks that never launched collective #`sequence`, as the CPU path names those that never

@@ -184,7 +184,7 @@ class Communicators:
         """
         self.watchdog.check()
         ordinals = tuple(ordinals)
-        sequence = self._announce(operation)
+        sequence = self._announce(operation, timeout)
         with self._launch_lock:
             clique = self._clique(ordinals)
             # watched before the launch: a launch that hangs inside NCCL (a peer that never connects) is aborted too
@@ -244,7 +244,7 @@ class Communicators:
                                f"communicators were aborted; the next collective creates new ones. {HINT}",
                                operation=operation, status=getattr(exc, "status", None))
 
-    def _announce(self, operation: str) -> int | None:
+    def _announce(self, operation: str, timeout: float | None = None) -> int | None:
         """Tells the peers of a multi-process job that this collective is launched; its number (None here)."""
         return None
 

@@ -18,6 +18,7 @@ pytest.importorskip("cupy", reason="CuPy comes with distrib[test]")
 MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun (.ci/run installs it)")
 PROGRAM = pathlib.Path(__file__).parents[2] / "multi_worker" / "nccl_deadlines.py"
+FAULTS = PROGRAM.with_name("nccl_faults.py")
 
 
 def test_a_collective_a_rank_never_launched_names_it_and_one_every_rank_launched_says_so(tmp_path):
@@ -36,6 +37,33 @@ def test_a_collective_a_rank_never_launched_names_it_and_one_every_rank_launched
     assert "Every rank launched it (collective #1" in launched["message"]
     assert report["aborted"] == ["all_reduce", "broadcast"]  # both collectives' communicators were aborted
     assert report["later"].startswith("WorkerFailedError: barrier cannot run: this MPI job already failed.")
+
+
+@pytest.mark.parametrize("fault", ["stall", "kill", "stall-at-exit"])
+def test_a_rank_launching_without_waiting_gets_a_typed_error_naming_a_failed_peer_and_the_job_ends(tmp_path, fault):
+    # NCCL launches return at once: without a bound on how far a rank runs ahead, rank 0 would finish its loop
+    # and then wait in MPI_Finalize for the stalled rank forever, or be killed by mpirun without an error
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, str(FAULTS), fault, str(tmp_path / "error.json"), "2"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    if fault == "stall-at-exit":  # its program ended normally with the collective in flight: printed at exit
+        error = next(line for line in done.stderr.splitlines() if line.startswith("distrib.errors."))
+        assert error.startswith("distrib.errors.DeadlineExceededError: all_reduce across processes timed out after "
+                                "2 s: rank 1 (pid "), done.stderr
+        assert not (tmp_path / "error.json.0").exists()
+        return
+    report = json.loads((tmp_path / "error.json.0").read_text())
+    if fault == "stall":
+        assert report["type"] == "DeadlineExceededError"
+        assert report["message"].startswith("all_reduce across processes timed out after 2 s: rank 1 (pid ")
+        assert "never reached it (collective #3 of the job's collectives)" in report["message"]
+    else:
+        assert report["type"] == "WorkerFailedError"
+        assert report["message"].startswith("rank 1 (pid ") and " died" in report["message"]
+    assert report["seconds"] < 2 + 3  # within the timeout, plus the launcher's reaction
+    later = (tmp_path / "error.json.0.later").read_text()
+    assert later.startswith("all_reduce cannot run: this MPI job already failed.")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -62,6 +90,7 @@ class OneRank:
 
     def __init__(self):
         self.comm = self
+        self.drains = []
 
     def run(self, what, call, timeout):
         call()
