@@ -15,15 +15,20 @@ from distrib.backends.cpu import CpuBackend
 
 DEVICES = ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
 MPIRUN = shutil.which("mpirun")
+# Open MPI 5's mpirun (PRRTE) shows nothing the ranks print once it is interrupted (Ctrl-C)
+OPEN_MPI_5 = MPIRUN is not None and "(Open MPI) 5." in subprocess.run([MPIRUN, "--version"], capture_output=True,
+                                                                      text=True).stdout
 needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin "
                                                          "libopenmpi-dev; .ci/run installs it)")
 
 
 def mpirun_env(**extra: str) -> dict:
     """The environment of the tests' `mpirun -np 2` jobs: 2 emulated replicas per process on every machine (on one
-    with a GPU, detection would pick NCCL), mpirun allowed as root and past the core count; plus `extra`."""
+    with a GPU, detection would pick NCCL), mpirun allowed as root and past the core count (Open MPI 4's variable
+    and Open MPI 5's); plus `extra`."""
     env = dict(os.environ, DISTRIB_BACKEND="cpu", DISTRIB_CPU_REPLICAS="2", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1")
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
     env.update(extra)
     return env
 

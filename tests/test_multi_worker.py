@@ -13,7 +13,8 @@ import sys
 
 import numpy as np
 import pytest
-from support import MPIRUN, assert_one_process_with_two_replicas, default_sigint, mpirun_env, needs_mpirun
+from support import (MPIRUN, OPEN_MPI_5, assert_one_process_with_two_replicas, default_sigint, mpirun_env,
+                     needs_mpirun)
 
 import distrib
 
@@ -249,6 +250,8 @@ def test_ctrl_c_at_mpirun_ends_every_rank_with_an_error_that_says_so():
             process.kill()
             process.wait()
     assert process.returncode != 0
+    if OPEN_MPI_5:  # its mpirun discards what the ranks print after the Ctrl-C (README): only the job's end shows
+        return
     errors = [line for line in printed.splitlines() if line.startswith("distrib.errors.WorkerFailedError")]
     # every rank runs here and none died: the error can say that no rank failed
     assert errors and all("no rank failed: mpirun itself was interrupted (Ctrl-C) or killed" in line

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from support import MPIRUN, interruptible, mpirun_env, needs_mpirun
+from support import MPIRUN, OPEN_MPI_5, interruptible, mpirun_env, needs_mpirun
 
 from distrib.cli.train import main as train_main
 
@@ -47,6 +47,8 @@ def test_ctrl_c_on_mpirun_says_once_that_no_rank_failed_and_how_to_resume_under_
     process, out, err = interrupted_after_the_first_checkpoint(
         [MPIRUN, "-np", "2", sys.executable, "-m", "distrib", "train", *flags], tmp_path, mpirun_env())
     assert process.returncode == 1, err  # mpirun's status for a job it ended
+    if OPEN_MPI_5:  # its mpirun discards what the ranks print after the Ctrl-C (README)
+        return
     assert "Traceback" not in err and "MPI_ABORT" not in err
     reports = [line for line in err.splitlines() if line.startswith("distrib train: ")]
     assert len(reports) == 1, err  # rank 0's, in one line, whether it was in Python or inside an MPI call
