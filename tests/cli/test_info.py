@@ -85,7 +85,7 @@ def test_info_says_how_emulated_replicas_run_and_why(monkeypatch):
     assert "replica execution: none (DISTRIB_REPLICA_EXECUTION must be 'threads' or 'cooperative'" in info()
 
 
-def test_info_names_the_mpi_library_that_mpirun_would_start():
+def test_info_names_the_mpi_library_that_mpirun_would_start(tmp_path):
     from support import MPIRUN
 
     versions = json.loads(info("--json"))["versions"]
@@ -94,5 +94,5 @@ def test_info_names_the_mpi_library_that_mpirun_would_start():
     else:  # what `mpirun --version` says, e.g. "mpirun (Open MPI) 4.1.4"
         said = subprocess.run([MPIRUN, "--version"], capture_output=True, text=True, timeout=30).stdout
         assert versions["mpi"] == said.strip().splitlines()[0]
-    hidden = json.loads(info("--json", env={"PATH": os.path.dirname(sys.executable)}))["versions"]
+    hidden = json.loads(info("--json", env={"PATH": str(tmp_path)}))["versions"]  # python is run by full path
     assert hidden["mpi"] is None  # no mpirun on PATH and mpi4py.MPI not imported: nothing to name
