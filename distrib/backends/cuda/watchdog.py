@@ -21,20 +21,31 @@ MAX_CALLER_SLEEP = 1e-3  # a waiting caller sleeps at most this long between pol
 THREAD_PAUSES = (1e-3, 1e-2)  # the watchdog thread's poll interval, doubling from the first to the second
 
 
+class Backoff:
+    """A waiting caller's pause between polls: none for SPIN_SECONDS, then sleeps doubling up to MAX_CALLER_SLEEP."""
+
+    def __init__(self):
+        self._start = time.monotonic()
+        self._pause = 0.0
+
+    def idle(self) -> None:
+        """Called after a poll that found nothing new."""
+        if time.monotonic() - self._start >= SPIN_SECONDS:
+            self._pause = min(MAX_CALLER_SLEEP, max(self._pause * 2, 2e-5))
+            time.sleep(self._pause)
+
+
 def wait_for(events: Sequence[Any]) -> None:
-    """Returns once every event (anything with a `done` property) is done, polling as `Watchdog.wait` does.
+    """Returns once every event (anything with a `done` property: CUDA events and streams) is done, polling.
 
     The host waits for the GPU this way rather than by a blocking CUDA synchronise: on 2026-11-27's H200, a
     cudaDeviceSynchronize after an NCCL call took 2.4 ms however little was queued, while polling sees a short
     collective done within microseconds.
     """
-    start = time.monotonic()
-    pause = 0.0
+    backoff = Backoff()
     for event in events:
         while not event.done:
-            if time.monotonic() - start >= SPIN_SECONDS:
-                pause = min(MAX_CALLER_SLEEP, max(pause * 2, 2e-5))
-                time.sleep(pause)
+            backoff.idle()
 
 
 @dataclass(eq=False)
@@ -123,13 +134,10 @@ class Watchdog:
         The caller polls too, spinning briefly and then sleeping, so a short collective is seen done within
         microseconds rather than at the thread's next poll; deadlines bound the wait.
         """
-        start = time.monotonic()
-        pause = 0.0
+        backoff = Backoff()
         while self._watched:
             if not self._poll():
-                if time.monotonic() - start >= SPIN_SECONDS:
-                    pause = min(MAX_CALLER_SLEEP, max(pause * 2, 2e-5))
-                    time.sleep(pause)
+                backoff.idle()
         self.check()
 
     def _poll(self) -> bool:
