@@ -207,7 +207,7 @@ class CudaBackend(NcclCollectives, Backend):
             return to_numpy(array)
         array = as_cupy(array)
         with self._on(array.device.id):
-            wait_for([cupy.cuda.get_current_stream().record(cupy.cuda.Event(disable_timing=True))])
+            wait_for([cupy.cuda.get_current_stream()])  # polled: get()'s own wait then returns at once
             host = array.get()  # every collective queued on the stream before has completed or failed
         self._comms.settle()  # so its failure is raised here, even while the watchdog is still aborting it
         return host
