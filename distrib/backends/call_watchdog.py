@@ -116,13 +116,7 @@ class CallWatchdog:
     def fire(self, error: BaseException) -> None:
         """Records `error` as the group's failure, prints it as an uncaught exception would be, ends the process."""
         self.fired = self.group.broken = error
-        sys.stderr.write(f"{type(error).__module__}.{type(error).__qualname__}: {error}\n")  # one write: ranks share it
-        sys.stderr.flush()
-        for report in self.group.last_words:  # what the program says as it ends, its main thread being stuck here
-            try:
-                report(error)
-            except Exception:  # noqa: BLE001 - nothing may keep the process from ending
-                pass
+        self.group.say_last_words(error)  # what the program says as it ends, its main thread being stuck here
         if isinstance(error, DeadlineExceededError):
             self.group.comm.Abort(1)  # nobody else ends the job: every rank, the stalled one too
         self._end(error)

@@ -93,6 +93,17 @@ class ProcessGroup:
         """
         self.collectives.run(what, call, timeout, *args)
 
+    def say_last_words(self, error: BaseException) -> None:
+        """Prints `error` as an uncaught exception would be, then calls `last_words` with it: for a process that
+        ends on an error its program never saw (stuck in an MPI call, or at exit)."""
+        sys.stderr.write(f"{type(error).__module__}.{type(error).__qualname__}: {error}\n")  # one write: ranks share it
+        sys.stderr.flush()
+        for report in self.last_words:  # the program's last line for a failure (distrib train's resume command)
+            try:
+                report(error)
+            except Exception:  # noqa: BLE001 - nothing may keep the process from ending
+                pass
+
     def announce(self, what: str = "a collective", timeout: float | None = None, lead: int | None = None) -> int:
         """Announces the next collective on `comm` without waiting for the peers; its number (see `missing`).
 
@@ -253,10 +264,4 @@ def _drain(group: ProcessGroup) -> None:
             drain()
     except BaseException as exc:  # a collective's error, or mpirun's SIGTERM meanwhile (then `ended_by_launcher`)
         group.broken = group.broken or exc
-        sys.stderr.write(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}\n")  # one write: ranks share it
-        sys.stderr.flush()
-        for report in group.last_words:  # the program's last line for a failure (distrib train's resume command)
-            try:
-                report(exc)
-            except Exception:  # noqa: BLE001 - nothing may keep the job from ending
-                pass
+        group.say_last_words(exc)
