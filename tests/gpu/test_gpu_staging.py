@@ -47,13 +47,33 @@ def test_a_batch_changed_after_prefetch_does_not_change_what_arrived(backend):
         np.testing.assert_array_equal(out.get(), expected)
 
 
-def test_a_batch_that_fails_part_way_keeps_the_pinned_buffers_of_the_copies_already_queued(backend):
+def test_a_value_cupy_cannot_hold_fails_the_batch_before_any_copy_is_queued(backend):
     pool = backend._stager.pool
     backend.synchronize()
     pool.take(1)  # reclaims what earlier tests left busy
     busy = len(pool._busy)
     batch = [np.ones(2 * staging.CHUNK_BYTES, np.uint8), np.array(["no GPU dtype"])]  # CuPy has no str dtype
     with pytest.raises((TypeError, ValueError)):
+        backend.prefetch_to_device(batch, "GPU:0")
+    assert len(pool._busy) == busy  # every device array is allocated before the first copy: nothing to hold
+
+
+def test_a_batch_that_fails_part_way_keeps_the_pinned_buffers_of_the_copies_already_queued(backend, monkeypatch):
+    pool = backend._stager.pool
+    backend.synchronize()
+    pool.take(1)  # reclaims what earlier tests left busy
+    busy = len(pool._busy)
+    batch = [np.ones(2 * staging.CHUNK_BYTES, np.uint8), np.ones(staging.CHUNK_BYTES, np.uint8)]
+    upload, calls = backend._stager.upload, []
+
+    def fails_the_second(host, out, stream):  # staging the second value fails once the first is queued
+        calls.append(host)
+        if len(calls) == 2:
+            raise MemoryError("no pinned memory left")
+        return upload(host, out, stream)
+
+    monkeypatch.setattr(backend._stager, "upload", fails_the_second)
+    with pytest.raises(MemoryError):
         backend.prefetch_to_device(batch, "GPU:0")
     assert len(pool._busy) == busy + 1  # held until the first value's copy has completed, then reused
     (_, buffers), = list(pool._busy)[busy:]
