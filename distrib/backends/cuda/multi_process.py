@@ -88,17 +88,30 @@ class JobCommunicators(nccl_comms.Communicators):
         self.watchdog.settle()  # raises the error of the collective the peer never launched, if already kept
         raise late
 
+    def _failed(self, operation: str, ordinals: tuple[int, ...], exc: Exception) -> BaseException:
+        """NCCL's error of a launch or a running collective; a WorkerFailedError naming them when ranks on this host
+        have died (NCCL then reports "remote process exited" before the process group notices)."""
+        died = self._dead_peers(operation, ordinals, f"failed ({exc})")
+        return died if died is not None else super()._failed(operation, ordinals, exc)
+
+    def _dead_peers(self, operation: str, ordinals: tuple[int, ...], what: str) -> WorkerFailedError | None:
+        """The job's WorkerFailedError (kept as the group's) if ranks on this host have died, else None."""
+        group = self._group
+        dead = group.dead_local_ranks()
+        if not dead:
+            return None
+        group.broken = WorkerFailedError(
+            f"{group.describe(dead)} died: {operation} on GPUs {list(ordinals)} {what}, and its communicators were "
+            f"aborted. Restart the job; `--resume` continues from the last checkpoint.", ranks=dead)
+        return group.broken
+
     def _late(self, operation: str, ordinals: tuple[int, ...], timeout: float, sequence: int | None) -> BaseException:
         """Names the ranks that never launched collective #`sequence`, as the CPU path names those that never
         reached it; a dead rank on this host is a WorkerFailedError."""
         group = self._group
-        dead = group.dead_local_ranks()
-        if dead:
-            group.broken = WorkerFailedError(
-                f"{group.describe(dead)} died: {operation} on GPUs {list(ordinals)} did not complete within "
-                f"{timeout:g} s, and its communicators were aborted. Restart the job; `--resume` continues from the "
-                f"last checkpoint.", ranks=dead)
-            return group.broken
+        died = self._dead_peers(operation, ordinals, f"did not complete within {timeout:g} s")
+        if died is not None:
+            return died
         missing = group.missing(sequence)
         if missing:
             return group.missing_error(operation, timeout, sequence, missing, f" NCCL has no timeout of its own: the "

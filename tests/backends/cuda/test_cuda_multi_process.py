@@ -111,3 +111,36 @@ def test_joining_the_communicator_closes_its_nccl_group_when_it_fails():
         JobCommunicators(OneRank(), [0])._create(Clique((0,)), "all_reduce")
     with pytest.raises(nccl.NcclError):  # no group is left open to hold back this thread's later NCCL calls
         nccl.groupEnd()
+
+
+class OneDeadPeer(OneRank):
+    """A job whose rank 1, on this host, has died."""
+
+    broken = None
+
+    def dead_local_ranks(self):
+        return (1,)
+
+    def describe(self, ranks):
+        return "rank 1 (pid 4242)"
+
+
+class EveryPeerAlive(OneDeadPeer):
+    def dead_local_ranks(self):
+        return ()
+
+
+def test_nccl_reporting_a_remote_error_names_the_rank_that_died_as_a_worker_failure():
+    from cupy.cuda import nccl
+
+    from distrib.backends.cuda.multi_process import JobCommunicators
+    from distrib.errors import CollectiveError, WorkerFailedError
+
+    remote = nccl.NcclError(6)  # NCCL_ERROR_REMOTE_ERROR: "remote process exited or there was a network error"
+    group = OneDeadPeer()
+    error = JobCommunicators(group, [0])._failed("all_reduce", (0,), remote)
+    assert isinstance(error, WorkerFailedError) and error is group.broken
+    assert str(error).startswith("rank 1 (pid 4242) died: all_reduce on GPUs [0] failed (")
+    assert error.ranks == (1,)
+    # every peer alive: NCCL's own error, as in one process
+    assert type(JobCommunicators(EveryPeerAlive(), [0])._failed("all_reduce", (0,), remote)) is CollectiveError
