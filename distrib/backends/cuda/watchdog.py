@@ -91,12 +91,14 @@ class Watchdog:
     def watch(self, watched: Watched) -> None:
         """Adds a launched collective; starts the thread if it is not running (also after a fork)."""
         with self._lock:
+            idle = not self._watched  # the thread waits for work only while nothing is watched
             self._watched.append(watched)
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
                 self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._run, name="distrib-watchdog", daemon=True)
                 self._thread.start()
-            self._lock.notify_all()
+            elif idle:  # otherwise it is polling already: waking it per launch would take the GIL from the caller
+                self._lock.notify_all()
 
     def pending(self) -> int:
         """How many watched collectives have neither completed nor failed."""
