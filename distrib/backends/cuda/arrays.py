@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Any, Sequence
 
 import cupy
 import numpy as np
@@ -54,10 +55,28 @@ def upload(host: np.ndarray) -> cupy.ndarray:
                         f"dtype {host.dtype} and shape {host.shape}.") from exc
 
 
+# Whether a CuPy array is C-contiguous: its own attribute (since CuPy 7) is read in C, while `.flags` builds an
+# object per call, which packing 1,000 members pays 1,000 times per step.
+is_c_contiguous = operator.attrgetter("_c_contiguous") if hasattr(cupy.ndarray, "_c_contiguous") else \
+    (lambda array: array.flags.c_contiguous)
+device_id = operator.attrgetter("data.device_id")  # the GPU of a CuPy array, without making a Device object
+
+
 def contiguous(array: cupy.ndarray) -> cupy.ndarray:
     """`array` if C-contiguous, else a C-contiguous copy, in its own shape: `cupy.ascontiguousarray` (as NumPy's)
     makes a 0-d array 1-d, which a count or a loss reduced across replicas must not become."""
-    return array if array.flags.c_contiguous else cupy.ascontiguousarray(array)
+    return array if is_c_contiguous(array) else cupy.ascontiguousarray(array)
+
+
+def all_contiguous(arrays: Sequence[cupy.ndarray]) -> Sequence[cupy.ndarray]:
+    """`arrays` if every one is C-contiguous (one C-level pass), else a list with each made contiguous."""
+    return arrays if all(map(is_c_contiguous, arrays)) else [contiguous(a) for a in arrays]
+
+
+def all_on(arrays: Sequence[Any], ordinal: int) -> bool:
+    """Whether every one of `arrays` is a CuPy array on GPU `ordinal` (a pass in C for the usual case)."""
+    return all(issubclass(kind, cupy.ndarray) for kind in set(map(type, arrays))) and \
+        set(map(device_id, arrays)) == {ordinal}
 
 
 def aligned(array: cupy.ndarray) -> cupy.ndarray:

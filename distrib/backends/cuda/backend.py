@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import cupy
 import numpy as np
@@ -15,14 +14,14 @@ from distrib.backends.base import Backend
 from distrib.backends.cuda import devices as cuda_devices
 from distrib.backends.cuda import errors as cuda_errors
 from distrib.backends.cuda import nccl as nccl_comms
-from distrib.backends.cuda.arrays import aligned, as_cupy, contiguous, on_gpu, upload
+from distrib.backends.cuda.arrays import aligned, all_contiguous, all_on, as_cupy, contiguous, on_gpu, upload
 from distrib.backends.cuda.collectives import NcclCollectives
 from distrib.backends.cuda.results import Outputs
 from distrib.backends.cpu import to_numpy
 from distrib.backends.cuda.staging import Stager
 from distrib.backends.cuda.watchdog import wait_for
 from distrib.backends.cuda.kernels import UPDATE_DTYPES, UPDATE_SLOTS, Kernels, update_groups
-from distrib.plan import Buffer
+from distrib.plan import Buffer, dtype_name
 from distrib.devices import parse_device
 
 def _fusable(rule: str, items: Sequence[tuple[Any, Any, tuple]]) -> bool:
@@ -31,12 +30,36 @@ def _fusable(rule: str, items: Sequence[tuple[Any, Any, tuple]]) -> bool:
     if rule not in UPDATE_SLOTS or len({id(var) for var, _, _ in items}) < len(items):
         return False
     for var, grad, slots in items:
-        math = UPDATE_DTYPES.get(var.dtype.name)
+        math = UPDATE_DTYPES.get(dtype_name(var.dtype))
         if (math is None or len(slots) != UPDATE_SLOTS[rule] or not isinstance(grad, cupy.ndarray)
                 or grad.data.device_id != parse_device(var.device).index
                 or any(x.dtype != math or x.shape != var.shape for x in (grad, *slots))):
             return False
     return True
+
+
+class _OnDevice:
+    """A device and its stream made current for a `with` block: a class, as it runs for each array and launch (a
+    generator-based context manager cost several microseconds more per use)."""
+
+    __slots__ = ("_device", "_stream")
+
+    def __init__(self, ordinal: int, stream: cupy.cuda.Stream):
+        self._device, self._stream = cupy.cuda.Device(ordinal), stream
+
+    def __enter__(self) -> None:
+        self._device.__enter__()
+        try:
+            self._stream.__enter__()
+        except BaseException:
+            self._device.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._stream.__exit__(*exc)
+        finally:
+            self._device.__exit__(*exc)
 
 
 class CudaBackend(NcclCollectives, Backend):
@@ -120,10 +143,9 @@ class CudaBackend(NcclCollectives, Backend):
                 stream = self._streams[ordinal]
         return stream
 
-    @contextlib.contextmanager
-    def _on(self, ordinal: int) -> Iterator[None]:
-        with cupy.cuda.Device(ordinal), self._stream(ordinal):
-            yield
+    def _on(self, ordinal: int) -> "_OnDevice":
+        """`with`: GPU `ordinal` and its stream current, the previous ones restored after."""
+        return _OnDevice(ordinal, self._stream(ordinal))
 
     def activate(self, device: str) -> None:
         ordinal = self._ordinal(device)
@@ -255,7 +277,7 @@ class CudaBackend(NcclCollectives, Backend):
             if len(members) == 1:  # a view when contiguous and aligned: nothing to copy
                 return aligned(members[0].ravel())  # the reduce kernel reads it (a fresh flat always is aligned)
             flat = cupy.empty(buffer.size, members[0].dtype)
-            self._kernels.move(flat, [contiguous(m) for m in members], pack=True)
+            self._kernels.move(flat, all_contiguous(members), pack=True)
         return flat
 
     def unpack(self, flat, buffer: Buffer):
@@ -263,13 +285,18 @@ class CudaBackend(NcclCollectives, Backend):
         own filled by one unpack kernel, so that a kept member does not keep the whole pack allocated. For an
         output of `execute`, the arrays of last step that nothing holds (backends/cuda/results.py)."""
         with self._on(flat.data.device_id):
-            members = self._outputs.members(flat, buffer, cupy.empty)
-            if len(buffer.members) > 1:
-                self._kernels.move(flat, members, pack=False)
+            if len(buffer.members) == 1:
+                return self._outputs.members(flat, buffer, cupy.empty)
+            members, launch = self._outputs.unpacking(
+                flat, buffer, cupy.empty, lambda arrays: self._kernels.prepare_move(flat, arrays, pack=False))
+            if launch is not None:
+                launch()
         return members
 
     @staticmethod
     def _members(api: str, arrays: Sequence[Any], ordinal: int) -> Sequence[cupy.ndarray]:
+        if all_on(arrays, ordinal):
+            return arrays
         for k, array in enumerate(arrays):
             if not isinstance(array, cupy.ndarray) or array.data.device_id != ordinal:
                 where = f"GPU:{array.device.id}" if isinstance(array, cupy.ndarray) else type(array).__name__
@@ -283,7 +310,7 @@ class CudaBackend(NcclCollectives, Backend):
         left to the optimizer's array operations."""
         if not _fusable(rule, items):
             return False
-        groups = update_groups([(self._ordinal(var.device), var.dtype.name) for var, _, _ in items])
+        groups = update_groups([(self._ordinal(var.device), dtype_name(var.dtype)) for var, _, _ in items])
         for (ordinal, _), positions in groups.items():
             group = [items[k] for k in positions]
             with self._on(ordinal):

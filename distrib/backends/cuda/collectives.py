@@ -18,7 +18,7 @@ from distrib.backends.cuda import nccl as nccl_comms
 from distrib.backends.cuda.arrays import aligned, as_cupy, contiguous, on_gpu
 from distrib.backends.packed import FLOAT_PREFIXES, execute_pack_by_pack, unpack_into
 from distrib.options import default_timeout
-from distrib.plan import HIERARCHICAL, RING
+from distrib.plan import HIERARCHICAL, RING, dtype_name
 
 
 class NcclMove(NamedTuple):
@@ -84,14 +84,14 @@ class NcclCollectives:
                    mean: bool, outputs_of: Callable[[Any], list] | None = None) -> NcclMove:
         """How one flat buffer per device is all-reduced through NCCL: cast if its dtype needs it, into new outputs
         (or `outputs_of(dtype)`'s, when no cast is needed)."""
-        reduction = cuda_dtypes.nccl_reduction(flats[0].dtype.name, mean, self._nccl(), "all_reduce")
+        reduction = cuda_dtypes.nccl_reduction(dtype_name(flats[0].dtype), mean, self._nccl(), "all_reduce")
         sources = self._cast(flats, ordinals, reduction.cast)
         if outputs_of is None or reduction.cast:
             outputs = self._like(sources, ordinals, sources[0].size)
         else:
             outputs = outputs_of(sources[0].dtype)
         calls = cuda_dtypes.chunk_calls(chunks, sources[0].itemsize, reduction.factor)
-        return NcclMove(flats[0].dtype.name, reduction, sources, outputs, calls)
+        return NcclMove(dtype_name(flats[0].dtype), reduction, sources, outputs, calls)
 
     def _launch_all_reduces(self, moves: Sequence[NcclMove], ordinals: Sequence[int], timeout: float | None) -> None:
         """Every call of every move in one NCCL group (nothing is launched when no move has a call)."""
@@ -118,7 +118,7 @@ class NcclCollectives:
 
     def _divide_in_place(self, outputs: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int) -> None:
         """Divides each device's output in place by `divisor`, as NumPy rounds (the reduce kernel)."""
-        wire = cuda_dtypes.kernel_wire(outputs[0].dtype.name, "all_reduce")
+        wire = cuda_dtypes.kernel_wire(dtype_name(outputs[0].dtype), "all_reduce")
         for out, ordinal in zip(outputs, ordinals):
             with self._on(ordinal):
                 self._kernels.reduce(wire.dtype, out.size * wire.factor, [out], [out], divisor=divisor)
@@ -154,7 +154,7 @@ class NcclCollectives:
         if len(set(ordinals)) < n:
             total = self._sum_on(ordinals[0], "reduce_scatter", flats, ordinals, 1, outputs=1)[0]
             return [self.copy(total[k * part:(k + 1) * part], f"GPU:{o}") for k, o in enumerate(ordinals)]
-        plan = cuda_dtypes.nccl_reduction(flats[0].dtype.name, False, self._nccl(), "reduce_scatter")
+        plan = cuda_dtypes.nccl_reduction(dtype_name(flats[0].dtype), False, self._nccl(), "reduce_scatter")
         sources = self._cast(flats, ordinals, plan.cast)
         outputs = self._like(sources, ordinals, part)
 
@@ -164,7 +164,7 @@ class NcclCollectives:
 
         if part:
             self._group("reduce_scatter", ordinals, launch, timeout)
-        return self._cast(outputs, ordinals, flats[0].dtype.name) if plan.cast else outputs
+        return self._cast(outputs, ordinals, dtype_name(flats[0].dtype)) if plan.cast else outputs
 
     def broadcast(self, array, devices, *, timeout=None):
         ordinals = [self._ordinal(d) for d in devices]
@@ -196,7 +196,7 @@ class NcclCollectives:
         if any(a.shape != shape for a in placed):
             raise ValueError(f"add_n needs arrays of one shape. Received: shapes {[a.shape for a in placed]}.")
         dtype = np.result_type(*(a.dtype for a in placed))
-        wire = cuda_dtypes.kernel_wire(dtype.name, "add_n")
+        wire = cuda_dtypes.kernel_wire(dtype_name(dtype), "add_n")
         with self._on(ordinal):
             sources = [aligned(contiguous(a.astype(dtype, copy=False))) for a in placed]
             out = cupy.empty(shape, dtype)
@@ -258,7 +258,7 @@ class NcclCollectives:
     def _sum_into(self, home: int, api: str, flats: Sequence[cupy.ndarray], ordinals: Sequence[int], divisor: int,
                   outputs: Sequence[cupy.ndarray]) -> None:
         """Writes the in-order sum of `flats` divided by `divisor` into every one of `outputs` (on GPU `home`)."""
-        wire = cuda_dtypes.kernel_wire(flats[0].dtype.name, api)
+        wire = cuda_dtypes.kernel_wire(dtype_name(flats[0].dtype), api)
         sources = [f if o == home else self._copy_between(f, home) for f, o in zip(flats, ordinals)]
         with self._on(home):
             self._kernels.reduce(wire.dtype, flats[0].size * wire.factor, sources, outputs, divisor)

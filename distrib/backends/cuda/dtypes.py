@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence
 
 # ncclDataType_t and ncclRedOp_t (nccl.h); cupy.cuda.nccl names the same numbers NCCL_INT8, NCCL_SUM, ...
@@ -66,6 +67,7 @@ def kernel_wire(dtype: str, api: str) -> Wire:
         raise _unsupported(api, dtype, KERNEL_WIRES) from None
 
 
+@functools.lru_cache(maxsize=512)  # asked per buffer per step; refusals raise and are not cached
 def nccl_reduction(dtype: str, mean: bool, nccl_version: int, api: str) -> NcclReduction:
     """How NCCL reduces `dtype`: a mean uses ncclAvg when the loaded NCCL has it, else a sum and a division.
 

@@ -13,11 +13,14 @@ compile with NVRTC on first use, once per device (CuPy caches the binaries on di
 from __future__ import annotations
 
 import importlib.resources
+import operator
 import re
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
+
+from distrib.plan import dtype_name
 
 SOURCES = importlib.resources.files("distrib.kernels")  # kernels/ in a checkout, distrib/kernels/ when installed
 OPTIONS = ("--std=c++17",)
@@ -136,6 +139,21 @@ def update_table(params: Sequence[int], grads: Sequence[int], slots: Sequence[Se
     return np.concatenate([np.asarray(params, np.int64), np.asarray(grads, np.int64), by_slot, offsets])
 
 
+_POINTER, _NBYTES = operator.attrgetter("data.ptr"), operator.attrgetter("nbytes")  # C-level, per member
+
+
+class MoveLaunch(NamedTuple):
+    """A pack or unpack launch ready to go, its table on the device (Kernels.prepare_move); call it to launch it on
+    the current stream."""
+
+    kernel: Any
+    grid: int
+    args: tuple  # (the flat's address, the table on the device, member count)
+
+    def __call__(self) -> None:
+        self.kernel((self.grid,), (BLOCK,), self.args)
+
+
 class Kernels:
     """Compiled kernels, launched on the current device and stream."""
 
@@ -159,14 +177,26 @@ class Kernels:
 
     def move(self, flat: Any, members: Sequence[Any], pack: bool) -> None:
         """Copies contiguous `members` into `flat` in order (pack) or `flat` into them (unpack): one launch."""
+        launch = self.prepare_move(flat, members, pack)
+        if launch is not None:
+            launch()
+
+    def prepare_move(self, flat: Any, members: Sequence[Any], pack: bool) -> "MoveLaunch | None":
+        """The launch that `move` makes, with its table already on the device, to make again while `flat` and
+        `members` keep their memory (reused unpack outputs): None when there is nothing to move. Building the table
+        costs Python per member, which for 1,000 small members takes longer than the kernel."""
         import cupy
 
-        width, table = move_table([m.data.ptr for m in members], [m.nbytes for m in members], flat.data.ptr)
+        count = len(members)
+        pointers = np.fromiter(map(_POINTER, members), np.int64, count)
+        width, table = move_table(pointers, np.fromiter(map(_NBYTES, members), np.int64, count), flat.data.ptr)
         words = int(table[-1])
-        if words:
-            kernel = self.function("pack.cu", f"{'pack' if pack else 'unpack'}_w{width}")
-            tiles = -(-words // WORDS_PER_THREAD)
-            kernel((blocks(tiles),), (BLOCK,), (flat, cupy.asarray(table), np.int32(len(members))))
+        if not words:
+            return None
+        kernel = self.function("pack.cu", f"{'pack' if pack else 'unpack'}_w{width}")
+        # the flat by address: a launch kept with reused outputs must not hold a reference that keeps them from idling
+        return MoveLaunch(kernel, blocks(-(-words // WORDS_PER_THREAD)),
+                          (np.uint64(flat.data.ptr), cupy.asarray(table), np.int32(count)))
 
     def reduce(self, wire: str, count: int, sources: Sequence[Any], outputs: Sequence[Any], divisor: int = 1) -> None:
         """outputs[k][:count] = sum of sources[j][:count] in order (in `wire` type elements), divided by `divisor`.
@@ -193,7 +223,7 @@ class Kernels:
         """
         import cupy
 
-        dtype = params[0].dtype.name
+        dtype = dtype_name(params[0].dtype)
         table = update_table([p.data.ptr for p in params], [g.data.ptr for g in grads],
                              [[s.data.ptr for s in tensor_slots] for tensor_slots in slots], [p.size for p in params])
         total = int(table[-1])

@@ -37,6 +37,7 @@ class Copies:
         self.buffer = buffer
         self.arrays: list[Any] = [None] * len(buffer.members)
         self._idle: list[tuple | None] = [None] * len(buffer.members)
+        self.unpack: Callable[[], None] | None = None  # the unpack launch into `arrays`, while none is replaced
 
     def take(self, dtype: Any, empty: Empty) -> list:
         """One array per member: last time's where nobody holds it any more, else a new one from `empty`."""
@@ -45,6 +46,7 @@ class Copies:
             if arrays[k] is None or _counts(arrays[k]) != idle[k]:
                 arrays[k] = empty(self.buffer.members[k].shape, dtype)
                 idle[k] = _counts(arrays[k])
+                self.unpack = None
         return list(arrays)
 
 
@@ -105,6 +107,20 @@ class Outputs:
             return member_views(flat, buffer) if len(buffer.members) == 1 else \
                 [empty(member.shape, flat.dtype) for member in buffer.members]
         return list(entry.views) if entry.copies is None else entry.copies.take(flat.dtype, empty)
+
+    def unpacking(self, flat: Any, buffer: Buffer, empty: Empty,
+                  prepare: Callable[[list], Callable[[], None] | None]) -> tuple[list, Callable[[], None] | None]:
+        """The members of a pack of several (as `members`) and the unpack launch into them, `prepare(members)`: kept
+        with reused arrays, so that a step that reuses every one launches without rebuilding its table."""
+        entry = self._by_flat.get(id(flat))
+        if entry is None or entry.flat is not flat or entry.buffer is not buffer or entry.copies is None:
+            members = self.members(flat, buffer, empty)
+            return members, prepare(members)
+        copies = entry.copies
+        members = copies.take(flat.dtype, empty)
+        if copies.unpack is None:
+            copies.unpack = prepare(members)
+        return members, copies.unpack
 
     def clear(self) -> None:
         with self._lock:

@@ -83,3 +83,45 @@ def test_a_flat_from_elsewhere_is_unpacked_into_new_arrays():
     flat = host_backed(BUFFER.size)
     first, second = outputs.members(flat, BUFFER, host_empty), outputs.members(flat, BUFFER, host_empty)
     assert first[0] is not second[0] and first[0].data.mem is not flat.data.mem
+
+
+def test_the_unpack_launch_is_kept_while_every_member_array_is_reused():
+    outputs = results.Outputs()
+    tables = []  # the member addresses of each launch prepared
+
+    def prepare(members):
+        tables.append([m.data.ptr for m in members])
+        return lambda: None
+
+    def unpack_step():
+        flat = outputs.take(BUFFER, 0, 0, lambda: host_backed(BUFFER.size))
+        return outputs.unpacking(flat, BUFFER, host_empty, prepare)
+
+    members, launch = unpack_step()
+    assert tables == [[m.data.ptr for m in members]]
+    del members
+    members, again = unpack_step()
+    assert again is launch and len(tables) == 1  # same arrays, same table: nothing rebuilt
+    kept = members[3]
+    del members
+    members, third = unpack_step()
+    assert third is not launch and len(tables) == 2  # a kept member was replaced: the table follows it
+    assert tables[1][3] == members[3].data.ptr != kept.data.ptr
+
+
+def test_a_flat_from_elsewhere_gets_a_launch_for_its_new_arrays():
+    outputs = results.Outputs()
+    flat = host_backed(BUFFER.size)
+    prepared = []
+    members, _ = outputs.unpacking(flat, BUFFER, host_empty, lambda arrays: prepared.append(arrays))
+    assert prepared == [members]
+
+
+def test_the_member_checks_read_cupys_own_attributes():
+    from distrib.backends.cuda import arrays
+
+    parts = [host_backed(8) for _ in range(3)]
+    assert arrays.all_on(parts, 0) and not arrays.all_on(parts, 1)
+    assert not arrays.all_on([*parts, np.zeros(8, np.float32)], 0)
+    assert arrays.all_contiguous(parts) is parts
+    assert not arrays.is_c_contiguous(parts[0][::2]) and arrays.is_c_contiguous(parts[0].reshape(2, 4))
