@@ -15,7 +15,7 @@ import numpy as np
 
 from distrib.backends.cuda import dtypes as cuda_dtypes
 from distrib.backends.cuda import nccl as nccl_comms
-from distrib.backends.cuda.arrays import aligned, as_cupy, contiguous, on_gpu
+from distrib.backends.cuda.arrays import aligned, as_cupy, contiguous, is_c_contiguous, on_gpu
 from distrib.backends.packed import FLOAT_PREFIXES, execute_pack_by_pack, unpack_into
 from distrib.options import default_timeout
 from distrib.plan import HIERARCHICAL, RING, dtype_name
@@ -211,7 +211,7 @@ class NcclCollectives:
                              f"{len(ordinals)} devices.")
         first = flats[0]
         for k, (flat, ordinal) in enumerate(zip(flats, ordinals)):
-            if not isinstance(flat, cupy.ndarray) or flat.ndim != 1 or not flat.flags.c_contiguous:
+            if not isinstance(flat, cupy.ndarray) or flat.ndim != 1 or not is_c_contiguous(flat):
                 raise ValueError(f"{api} needs contiguous 1-D CuPy arrays. Received: flats[{k}], a "
                                  f"{type(flat).__name__} of shape {getattr(flat, 'shape', None)}.")
             if flat.data.device_id != ordinal:
