@@ -55,6 +55,7 @@ class StrategyExtended(abc.ABC):
         self._cross_device_ops = cross_device_ops
         self._options = communication_options
         self._host_arrays = backend.xp is np  # emulated devices: an array is on every device already
+        self._placed = backend.placed_check(self._devices) or _never  # values that need no placement
         self._colocation = threading.local()  # .variable: the one colocate_vars_with is in effect for
 
     @property
@@ -150,7 +151,7 @@ class StrategyExtended(abc.ABC):
         options = self._merged_options(options)
         backend, devices = self._backend, self._devices
         if len(pairs) == 1 and pairs[0][1] == devices:  # one value onto its own devices: a step's usual reduce_to,
-            arrays = self._host_components(pairs[0][0], 0)  # without the batching below
+            arrays = self._placed_components(pairs[0][0], 0)  # without the batching below
             if arrays is not None:
                 reduced = self._cross_device_ops.batch_all_reduce(backend, op, list(map(list, zip(arrays))),
                                                                   devices, options)
@@ -161,7 +162,7 @@ class StrategyExtended(abc.ABC):
         host_batch: tuple[list, list] = ([], [])
         for k, (value, destinations) in enumerate(pairs):
             batch = all_reduce_batch if destinations == devices else host_batch if destinations == (HOST,) else None
-            arrays = None if batch is None else self._host_components(value, k)
+            arrays = None if batch is None else self._placed_components(value, k)
             if arrays is not None:
                 batch[0].append(k)
                 batch[1].append(arrays)
@@ -200,11 +201,11 @@ class StrategyExtended(abc.ABC):
                 results[k] = Mirrored([array])
         return results
 
-    def _host_components(self, value: Any, position: int) -> tuple | None:
-        """The components of `value`, checked, when it is a PerReplica of NumPy arrays on the emulated devices
-        (which need no placement); else None, for the general route."""
-        if self._host_arrays and type(value) is PerReplica and len(value._values) == len(self._devices) and \
-                set(map(type, value._values)) == _NDARRAY:
+    def _placed_components(self, value: Any, position: int) -> tuple | None:
+        """The components of `value`, checked, when it is a PerReplica of the backend's own arrays on the replicas'
+        devices already (NumPy arrays on emulated devices, CuPy arrays each on its GPU); else None, for the general
+        route, which places each component."""
+        if type(value) is PerReplica and len(value._values) == len(self._devices) and self._placed(value._values):
             arrays = value._values
             if len(arrays) > 1 or arrays[0].dtype not in _REDUCIBLE:  # else nothing to check
                 _check_reduce_inputs(arrays, position)
@@ -398,7 +399,11 @@ def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
                 f"{position}, {array.dtype}{list(array.shape)} vs {first.dtype}{list(first.shape)}.")
 
 
-_NDARRAY = {np.ndarray}
+def _never(arrays: Sequence[Any]) -> bool:
+    """The placement test of a backend that has none: every value takes the general route."""
+    return False
+
+
 _FIRST = operator.itemgetter(0)
 _REDUCIBLE = {np.dtype(name) for name in ("float16", "float32", "float64", "complex64", "complex128", "int8",
                                            "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}

@@ -10,6 +10,7 @@ import numpy as np
 
 from distrib import context, timeline
 from distrib.backends import Backend, get_backend
+from distrib.backends.cpu import all_ndarrays
 from distrib.cross_device_ops import NcclAllReduce
 from distrib.errors import ContextError
 from distrib.extended import StrategyExtended
@@ -291,6 +292,7 @@ class _DefaultExtended(StrategyExtended):
         self._colocation = threading.local()
         self._backend_instance: Backend | None = None
         self._host_arrays = True  # its backend is the CPU emulator
+        self._placed = all_ndarrays
 
     @property
     def _backend(self) -> Backend:  # created on first use so that importing distrib probes no GPU

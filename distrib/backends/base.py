@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -158,6 +158,12 @@ class Backend(abc.ABC):
         return False
 
     @abc.abstractmethod
+    def placed_check(self, devices: Sequence[str]) -> Callable[[Sequence[Any]], bool] | None:
+        """For hot paths: a test of whether arrays, one per device of `devices` in order, are this backend's own
+        arrays on those devices already (`to_device` would return each unchanged); None where there is no such test.
+        Not abstract: a backend without one takes the general route."""
+        return None
+
     def synchronize(self) -> None:
         """Waits until all queued work on every device is complete."""
 

@@ -186,6 +186,11 @@ _NO_SCOPE = contextlib.nullcontext()
 _NDARRAY = {np.ndarray}
 
 
+def all_ndarrays(arrays: Sequence[Any]) -> bool:
+    """Whether every one of `arrays` is exactly a NumPy ndarray (one pass in C)."""
+    return set(map(type, arrays)) == _NDARRAY
+
+
 def _one_buffer(first: np.ndarray, others: Sequence[np.ndarray]) -> bool:
     """Whether every array of `others` starts where `first` does (views of one result)."""
     address = first.__array_interface__["data"][0]
@@ -243,6 +248,9 @@ class CpuBackend(Backend):
         return [v if type(v) is np.ndarray else to_numpy(v) for v in values]
 
     prefetch_to_device = to_device_all  # emulated devices share host memory: nothing to copy ahead
+
+    def placed_check(self, devices):
+        return all_ndarrays  # every emulated device holds host memory: any NumPy array is on each already
 
     def to_host(self, array: Any) -> np.ndarray:
         return to_numpy(array)

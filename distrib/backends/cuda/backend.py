@@ -14,7 +14,8 @@ from distrib.backends.base import Backend
 from distrib.backends.cuda import devices as cuda_devices
 from distrib.backends.cuda import errors as cuda_errors
 from distrib.backends.cuda import nccl as nccl_comms
-from distrib.backends.cuda.arrays import aligned, all_contiguous, all_on, as_cupy, contiguous, on_gpu, upload
+from distrib.backends.cuda.arrays import (aligned, all_contiguous, all_on, as_cupy, contiguous, device_id, on_gpu,
+                                         upload)
 from distrib.backends.cuda.collectives import NcclCollectives
 from distrib.backends.cuda.results import Outputs
 from distrib.backends.cpu import to_numpy
@@ -170,6 +171,10 @@ class CudaBackend(NcclCollectives, Backend):
         ordinal = self._ordinal(device)
         return [v if type(v) is cupy.ndarray and v.data.device_id == ordinal else self.to_device(v, device)
                 for v in values]
+
+    def placed_check(self, devices):
+        ordinals, native = [self._ordinal(d) for d in devices], {cupy.ndarray}
+        return lambda arrays: set(map(type, arrays)) == native and list(map(device_id, arrays)) == ordinals
 
     def prefetch_to_device(self, values, device):
         """Host batches to `device` through pooled pinned memory on a side stream, so the copy overlaps the step.

@@ -130,6 +130,18 @@ def test_what_optimizer_cu_cannot_take_is_left_to_the_optimizer(two_gpus, rule, 
     np.testing.assert_array_equal(var.numpy(), np.zeros(3, dtype))
 
 
+def test_the_placement_test_accepts_only_cupy_arrays_each_on_its_own_gpu(two_gpus):
+    def on(device_id):  # a CuPy array whose memory (host memory here) says it is on GPU `device_id`
+        host = np.zeros(4, np.float32)
+        memory = cupy.cuda.memory.UnownedMemory(host.ctypes.data, host.nbytes, host, device_id=device_id)
+        return cupy.ndarray((4,), np.float32, memptr=cupy.cuda.memory.MemoryPointer(memory, 0))
+
+    placed = two_gpus.placed_check(("GPU:0", "GPU:1"))
+    assert placed([on(0), on(1)])
+    assert not placed([on(1), on(0)]) and not placed([on(0), on(0)])  # the general route copies them over
+    assert not placed([on(0), np.zeros(4, np.float32)])  # a host array is uploaded by the general route
+
+
 @pytest.mark.parametrize("device, message", [
     ("GPU:2", r"^Unknown device 'GPU:2': this process sees 2 GPU\(s\), GPU:0 to GPU:1 \(CUDA_VISIBLE_DEVICES=0,1\)\."),
     ("CPU:0", r"^The CUDA backend runs on GPU devices such as 'GPU:0'\. Received: 'CPU:0'"),
