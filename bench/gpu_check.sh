@@ -37,7 +37,7 @@ STAGES=(
   "distrib-bench|240|yes|distrib bench of each collective on GPU:0 beside raw NCCL: nccl-tests tables, JSON, plots"
   "input-bench|240|yes|bench/input_bench.py --gpu: host-to-device input against raw pinned copies"
   "train|240|yes|distrib train on GPU:0, 1 replica then 4 replicas sharing it"
-  "profile|240|yes|bench/gpu_profile.py: cProfile of distrib train and of the 4-replica batched all_reduce"
+  "profile|240|yes|bench/gpu_profile.py: cProfile of distrib train, the 4-replica batched all_reduce and nccl_bench's per-call targets"
   "multi-process|240|yes|mpirun -np 2 sharing the GPU over NCCL: the multi-process GPU tests, distrib bench all_reduce"
 )
 

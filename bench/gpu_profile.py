@@ -1,15 +1,17 @@
-"""Where the host time goes on the CUDA path: cProfile of `distrib train` and of a batched all_reduce (needs a GPU).
+"""Where the host time goes on the CUDA path: cProfile of `distrib train`, of a batched all_reduce and of
+nccl_bench's per-call targets (needs a GPU).
 
     python3 bench/gpu_profile.py [--out DIR] [--epochs 20] [--steps 200]
 
-Two workloads, each first timed without the profiler, then profiled after a warm-up (kernels compiled):
-`distrib train` on GPU:0 (1 replica), and `strategy.run` of one `all_reduce` of 200 x 1,000 float32 on 4 replicas
-sharing GPU:0, synchronised per step. Writes `<workload>.prof` (pstats) and `<workload>.txt` (the 40 functions
-with the most own time, then the 40 with the most cumulative time) to DIR. Host synchronisations show up as calls
-of `get`, `synchronize` and `wait` in the tables; and one more epoch of `distrib train` runs with CuPy's
-synchronisation detector (`cupyx.allow_synchronize(False)`) around every `strategy.run` and `reduce_to`, inside the
-replicas too, printing where the first synchronisation inside a step happens, if any. Without a GPU it says what is
-missing and exits with status 2.
+Each workload is first timed without the profiler, then profiled after a warm-up (kernels compiled):
+`distrib train` on GPU:0 (1 replica); `strategy.run` of one `all_reduce` of 200 x 1,000 float32 on 4 replicas
+sharing GPU:0; and nccl_bench's per-call targets on 1 replica: `CudaBackend.all_reduce` of 4 B, `strategy.run` with
+an `all_reduce` of 1M float32, `batch_reduce_to` of 1,000 x 256 float32 packed; each synchronised per step. Writes
+`<workload>.prof` (pstats) and `<workload>.txt` (the 40 functions with the most own time, then the 40 with the most
+cumulative time) to DIR. Host synchronisations show up as calls of `get`, `synchronize` and `wait` in the tables;
+and one more epoch of `distrib train` runs with CuPy's synchronisation detector (`cupyx.allow_synchronize(False)`)
+around every `strategy.run` and `reduce_to`, inside the replicas too, printing where the first synchronisation
+inside a step happens, if any. Without a GPU it says what is missing and exits with status 2.
 """
 
 from __future__ import annotations
@@ -119,11 +121,19 @@ def profile_batched_all_reduce(out: Path, steps: int) -> None:
     def step(xs):
         return distrib.get_replica_context().all_reduce("SUM", xs)
 
+    timed_and_profiled(out, "batched_all_reduce", f"strategy.run + all_reduce of {count} x {elements} float32, "
+                       f"{replicas} replicas sharing GPU:0, synchronised per step",
+                       lambda: strategy.run(step, args=(batch,)), backend.synchronize, steps)
+    strategy.close()
+
+
+def timed_and_profiled(out: Path, name: str, what: str, step, sync, steps: int) -> None:
+    """`step()` then `sync()`, `steps` times: timed without the profiler, then profiled; the report per step."""
     def loop(n: int) -> float:
         start = time.perf_counter()
         for _ in range(n):
-            strategy.run(step, args=(batch,))
-            backend.synchronize()
+            step()
+            sync()
         return (time.perf_counter() - start) / n * 1e6
 
     loop(10)
@@ -131,10 +141,33 @@ def profile_batched_all_reduce(out: Path, steps: int) -> None:
     profile = cProfile.Profile()
     with profile:
         profiled = loop(steps)
+    report(profile, out, name, f"{what}: {plain:,.1f} us per step without the profiler, {profiled:,.1f} with it")
+
+
+def profile_host_overhead(out: Path, steps: int) -> None:
+    """The host time of nccl_bench's per-call targets: `CudaBackend.all_reduce` of 4 B, `strategy.run` with one
+    all_reduce of 1M float32 on 1 replica, and `batch_reduce_to` of 1,000 x 256 float32 packed, each synchronised."""
+    import cupy
+    import numpy as np
+
+    import distrib
+
+    strategy = distrib.MirroredStrategy(["GPU:0"], cross_device_ops=distrib.NcclAllReduce(num_packs=1))
+    backend = strategy.extended.backend
+    sync = backend.synchronize
+    tiny = [cupy.ones(1, np.float32)]
+    timed_and_profiled(out, "all_reduce_4B", "CudaBackend.all_reduce of 4 B on GPU:0",
+                       lambda: backend.all_reduce(tiny, [(0, 1)], ("GPU:0",), False), sync, steps * 10)
+    big = cupy.ones(1 << 20, np.float32)
+    timed_and_profiled(out, "run_all_reduce_1m", "strategy.run + all_reduce of 1M float32, 1 replica on GPU:0",
+                       lambda: strategy.run(lambda x: distrib.get_replica_context().all_reduce("SUM", x),
+                                            args=(big,)), sync, steps * 10)
+    values = [strategy.experimental_distribute_values_from_function(lambda ctx: cupy.ones(256, np.float32))
+              for _ in range(1000)]
+    pairs = [(v, v) for v in values]
+    timed_and_profiled(out, "batch_reduce_to_1000", "batch_reduce_to of 1,000 x 256 float32 packed, 1 replica",
+                       lambda: strategy.extended.batch_reduce_to("SUM", pairs), sync, max(10, steps // 10))
     strategy.close()
-    report(profile, out, "batched_all_reduce",
-           f"strategy.run + all_reduce of {count} x {elements} float32, {replicas} replicas sharing GPU:0, "
-           f"synchronised per step: {plain:,.0f} us per step without the profiler, {profiled:,.0f} with it")
 
 
 def main(argv=None) -> int:
@@ -152,6 +185,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     profile_train(args.out, args.epochs)
     profile_batched_all_reduce(args.out, args.steps)
+    profile_host_overhead(args.out, args.steps)
     return 0
 
 
