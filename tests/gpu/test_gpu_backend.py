@@ -60,3 +60,30 @@ def test_a_strategy_on_a_gpu_runs_and_reduces_to_host():
     out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", cupy.ones(3)))
     assert isinstance(strategy.experimental_local_results(out)[0], cupy.ndarray)
     np.testing.assert_array_equal(strategy.reduce("MEAN", out, axis=None), np.full(3, 2.0))
+
+
+def test_a_timeline_on_the_gpu_records_each_collective_and_mirrors_its_spans_as_nvtx_ranges(backend, tmp_path,
+                                                                                             monkeypatch):
+    import json
+
+    from distrib import timeline
+
+    if not cupy.cuda.nvtx.available:
+        pytest.skip("this CuPy was built without NVTX")
+    push, pop = timeline._nvtx  # what the backend registered: CuPy's own NVTX calls
+    assert (push, pop) == (cupy.cuda.nvtx.RangePush, cupy.cuda.nvtx.RangePop)
+    names = []
+    monkeypatch.setattr(timeline, "_nvtx", (lambda name: (names.append(name), push(name)), pop))  # still real NVTX
+    strategy = distrib.MirroredStrategy(["GPU:0"])
+    path = tmp_path / "trace.json"
+    timeline.start(path)
+    try:
+        out = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", cupy.ones(8, np.float32)))
+        backend.synchronize()
+    finally:
+        timeline.stop()
+    np.testing.assert_array_equal(cupy.asnumpy(strategy.experimental_local_results(out)[0]), np.ones(8))
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    reductions = [e for e in events if e["cat"] in ("plan", "collective")]  # execute, or all_reduce
+    assert reductions and all(e["dur"] >= 0 and e["tid"] is not None for e in events)
+    assert {e["name"] for e in events} <= set(names)  # every span was an NVTX range too
