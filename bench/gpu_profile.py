@@ -42,7 +42,8 @@ def report(profile: cProfile.Profile, out: Path, name: str, headline: str) -> No
 
 def profile_train(out: Path, epochs: int) -> None:
     from distrib.cli import train as train_module
-    from distrib.cli.train import build_parser, make_strategy, train
+    from distrib.cli.train import build_parser, train
+    from distrib.cli.train_strategy import make_strategy
 
     train_module.plot_history = lambda history, path: None  # the loss curve's matplotlib would fill the profile
 

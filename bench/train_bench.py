@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 import distrib
-from distrib.cli.train import build_parser, make_strategy, replicas_at_once, shared_cores, train
+from distrib.cli.train import build_parser, train
+from distrib.cli.train_strategy import make_strategy, replicas_at_once, shared_cores
 
 BENCH = Path(__file__).resolve().parent
 REPLICAS = (1, 2, 4)

@@ -18,8 +18,8 @@ from distrib.datasets import load_digits
 from distrib.backends import cuda_problem
 from distrib.cli.progress import PlainProgress
 from distrib.cli import train as train_module
-from distrib.cli.train import (blas_threads, build_parser, main as train_main, make_strategy, replica_devices,
-                                replicas_at_once, shared_cores)
+from distrib.cli.train import build_parser, main as train_main
+from distrib.cli.train_strategy import blas_threads, make_strategy, replica_devices, replicas_at_once, shared_cores
 
 
 def test_the_digits_split_is_fixed_stratified_and_scaled():

@@ -64,7 +64,7 @@ class NcclSeries:
 
     def prepare(self, spec: RowSpec) -> Prepared:
         cupy, nccl = self._setup()
-        name, n, layout = spec.collective.name, spec.ranks, spec.layout
+        name, layout = spec.collective.name, spec.layout
         dtype = NCCL_TYPES[np.dtype(spec.dtype).name]
         op = NCCL_OPS["AVG" if spec.op == "avg" else "SUM"]
         host = [spec.host_input(r) for r in spec.local_ranks]
