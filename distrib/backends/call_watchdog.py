@@ -25,6 +25,8 @@ from distrib.options import default_timeout
 
 POLL_SECONDS = 0.05
 GRACE_SECONDS = 0.2  # a call still running this long after a peer exited did not just finish as it exited
+TERMINATED_GRACE_SECONDS = 0.1  # after SIGTERM: Open MPI 5's mpirun sends SIGKILL 0.25 s later (4: 1 s), so the
+#                                 error must be out well before
 RESTART = "Restart the job; `--resume` continues from the last checkpoint."  # after a rank failed, not a Ctrl-C
 
 
@@ -89,7 +91,8 @@ class CallWatchdog:
         terminated = self.terminated_at is not None and self.terminated_at >= call.started  # earlier: raised
         dead = () if terminated else group.dead_local_ranks()
         if dead or terminated:
-            time.sleep(GRACE_SECONDS)  # a call whose peers are all there may still return, to raise in Python
+            # a call whose peers are all there may still return, to raise in Python
+            time.sleep(TERMINATED_GRACE_SECONDS if terminated else GRACE_SECONDS)
             if channel.in_call is not call:
                 return None
             if terminated:
