@@ -186,7 +186,10 @@ def require_cross_replica(api: str, strategy: Any = None, hint: str = "") -> Non
       ContextError (a RuntimeError): called inside the scope of a strategy other than `strategy`, as TensorFlow
         raises RuntimeError.
     """
-    top = current()
+    try:
+        top = _local.stack[-1]  # `current()` inline: reduce_to and every cross-replica API ask
+    except AttributeError:
+        top = _stack()[-1]
     default = bool(_default) and top.strategy is _default[0].strategy
     if top.replica_context is not None and not default:
         raise ContextError(f"{api} must be called in a cross-replica context (outside Strategy.run, or in a "

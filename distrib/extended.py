@@ -45,6 +45,7 @@ class StrategyExtended(abc.ABC):
     """
 
     _first_local_replica = 0  # the global id of this process's first replica (nonzero on later workers)
+    _inline: Any = None  # the replica context of a run on the calling thread (MirroredExtended's `_merge_inline`)
 
     def __init__(self, container_strategy: Any, backend: Backend, devices: Sequence[str],
                  cross_device_ops: CrossDeviceOps, communication_options: CommunicationOptions):

@@ -38,7 +38,7 @@ from distrib.replica_threads import (DONE, WAITING, ReplicaThread, RequestedStop
 from distrib.run_waits import POLL_SECONDS, patience, wait_for_phase
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
-from distrib.values import LEAF_TYPES, map_structure, regroup, select_replicas
+from distrib.values import LEAF_TYPES, _one_replica_args, map_structure, regroup, select_replicas
 
 # this process's id, kept current in a forked child: every run checks it, and os.getpid() is a system call
 _PID = [os.getpid()]
@@ -260,7 +260,8 @@ class MirroredExtended(StrategyExtended):
         strategy = self._strategy_ref()
         first = self._first_local_replica
         replica = ReplicaContext(strategy, first, first)
-        args = self._selected(args, 1)[0]
+        selected = _one_replica_args(args, True) if self._host_arrays else None  # `_selected`'s usual answer
+        args = self._selected(args, 1)[0] if selected is None else selected
         if kwargs:
             kwargs = self._selected(kwargs, 1)[0]
         outer, self._inline = self._inline, replica
@@ -343,21 +344,26 @@ class MirroredExtended(StrategyExtended):
         with lend(IdleThreadsTeam(self._threads, self._run_lock)):
             return reduction(*args)
 
+    def _merge_inline(self, kind, merge, *args):
+        """`merge(*args)` in the cross-replica context, for the replica of the run on the calling thread (`_inline`):
+        its collectives merge at once (`_rendezvous`; ReplicaContext.all_reduce of one value calls it directly)."""
+        stack, depth = context.push(self._strategy_ref(), None)  # cross-replica
+        try:
+            if timeline.recording is None:
+                return merge(*args)
+            with timeline.span(kind, "merge_call"):
+                return merge(*args)
+        except BaseException as exc:
+            self._merge_error = exc  # `_run_inline` leaves it unnamed, as `_merge` does
+            raise
+        finally:
+            del stack[depth:]
+
     def _rendezvous(self, replica_id, kind, merge, payload, options):
         inline = self._inline
         if inline is not None and self._running_thread == threading.get_ident() and \
                 context.get_replica_context() is inline:  # a run on the calling thread: the merge runs at once
-            stack, depth = context.push(self._strategy_ref(), None)  # cross-replica
-            try:
-                if timeline.recording is None:
-                    return merge([payload])[0]
-                with timeline.span(kind, "merge_call"):
-                    return merge([payload])[0]
-            except BaseException as exc:
-                self._merge_error = exc  # `_run_inline` leaves it unnamed, as `_merge` does
-                raise
-            finally:
-                del stack[depth:]
+            return self._merge_inline(kind, merge, [payload])[0]
         cooperative = self._cooperative_run
         if cooperative is not None and cooperative.in_replica(replica_id):
             return cooperative.rendezvous(replica_id, (kind, merge, payload, options.timeout))

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 
+from distrib import context
 from distrib.backends import get_multi_process_backend
 from distrib.cluster_resolver import ClusterResolver, MPIClusterResolver
 from distrib.cross_device_ops import CollectiveAllReduce
+from distrib.extended import _REDUCIBLE, _check_reduce_inputs
 from distrib.input.contexts import InputWorkers
 from distrib.mirrored import MirroredExtended, checked_communication_options
-from distrib.options import CommunicationOptions
+from distrib.options import _REDUCE_OPS, CommunicationOptions, ReduceOp
 from distrib.replica_context import check_gather_shapes
 from distrib.strategy import Strategy
-from distrib.values import flatten, local_components, unflatten
+from distrib.values import Mirrored, PerReplica, flatten, local_components, unflatten
 
 
 class MultiWorkerExtended(MirroredExtended):
@@ -32,6 +35,27 @@ class MultiWorkerExtended(MirroredExtended):
         self._one_replica_each = set(self._group.replica_counts) == {1}
         super().__init__(container_strategy, backend, backend.default_devices(), CollectiveAllReduce(),
                          communication_options, execution)
+
+    def reduce_to(self, reduce_op: Any, value: Any, destinations: Any, options: CommunicationOptions | None = None
+                  ) -> Any:
+        """As StrategyExtended's. The usual call of a step, a PerReplica of one NumPy array onto itself (one
+        emulated replica in this process), goes straight to the all-reduce: the general route's checks for it in
+        four Python calls fewer, each of which costs microseconds right after a large transfer has left the
+        caches cold (the same sum, in the same Mirrored)."""
+        arrays = value._values if type(value) is PerReplica and destinations is value else None
+        if arrays is None or len(arrays) != 1 or type(arrays[0]) is not np.ndarray or len(self._devices) != 1 or \
+                not self._host_arrays:
+            return super().reduce_to(reduce_op, value, destinations, options)
+        context.require_cross_replica("reduce_to", self._strategy_ref())
+        op = (_REDUCE_OPS.get(reduce_op) if type(reduce_op) in (str, ReduceOp) else None) or ReduceOp.from_value(reduce_op)
+        if arrays[0].dtype not in _REDUCIBLE:
+            _check_reduce_inputs(arrays, 0)
+        reduced = self._cross_device_ops.batch_all_reduce(self._backend, op, [[arrays[0]]], self._devices,
+                                                          self._options if options is None else
+                                                          self._options.merge(options))
+        result = Mirrored.__new__(Mirrored)  # `Mirrored._wrap` inline
+        result._values = (reduced[0][0],)
+        return result
 
     @property
     def should_checkpoint(self) -> bool:

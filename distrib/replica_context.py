@@ -8,10 +8,13 @@ import numbers
 import operator
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
+
 from distrib import context
 from distrib.errors import CollectiveMismatchError, ContextError
-from distrib.options import CommunicationOptions, ReduceOp
-from distrib.values import flatten, format_path, regroup, select_replicas, structure_mismatch, unflatten
+from distrib.options import _REDUCE_OPS, CommunicationOptions, ReduceOp
+from distrib.values import (LEAF_SPEC, LEAF_TYPES, flatten, format_path, regroup, select_replicas, structure_mismatch,
+                            unflatten)
 
 _ARRAYS = operator.itemgetter(1)  # a collective's payload: (spec, arrays, arguments)
 
@@ -32,6 +35,10 @@ class ReplicaHost(Protocol):
 
     @property
     def worker_devices(self) -> tuple[str, ...]: ...
+
+    # the replica context of a run on the calling thread (one local replica), whose merges run at once
+    # (`_merge_inline(kind, merge, *args)`: `merge(*args)` cross-replica); None otherwise
+    _inline: Any
 
     def _merged_options(self, options: CommunicationOptions | None) -> CommunicationOptions:
         """The strategy's CommunicationOptions with `options` merged over them (TensorFlow's rule)."""
@@ -137,7 +144,19 @@ class ReplicaContext:
         """
         if context.get_replica_context() is not self:
             self._require_current("all_reduce")
-        op = ReduceOp.from_value(reduce_op)
+        op = (_REDUCE_OPS.get(reduce_op) if type(reduce_op) in (str, ReduceOp) else None) or ReduceOp.from_value(reduce_op)
+        host = self._strategy._extended
+        if host._inline is self and type(value) in LEAF_TYPES:  # one value in a run on the calling thread:
+            # `_collective`'s steps for it, without its closures and rendezvous, nor calls that change nothing for a
+            # NumPy array of numbers on emulated devices (each costs a microsecond or more after a large transfer)
+            options = host._options if options is None else host._merged_options(options)
+            if host._host_arrays and type(value) is np.ndarray and value.dtype.kind not in NOT_REDUCIBLE:
+                arrays = [value]
+            else:
+                arrays = host._to_replica_device([value], self._replica_id)
+                _check_numeric(arrays, LEAF_SPEC)
+            return host._merge_inline("all_reduce", host._cross_device_ops.batch_all_reduce, host._backend, op,
+                                      [arrays], host._devices, options)[0][0]  # `_batch_all_reduce`, a call less
         return self._collective("all_reduce", value, options, _check_numeric,
                                 functools.partial(self._strategy._extended._batch_all_reduce, op),
                                 arguments=(("reduce_op", op),))

@@ -100,7 +100,9 @@ class Strategy:
         if top.strategy is self and top.replica_context is not None and not context.is_default(self):
             raise ContextError("Strategy.run cannot be called inside a replica function of the same strategy "
                                "(nested run). Call it from the cross-replica context.")
-        stack, depth = context.push(self, self._scope_replica_context(top))  # `with self._enter_scope()`, fewer calls
+        # `with self._enter_scope()` in fewer calls: outside any scope the frame is cross-replica
+        outside = top.strategy is not self and context.is_default(top.strategy)
+        stack, depth = context.push(self, None if outside else self._scope_replica_context(top))
         try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), options)
         finally:

@@ -90,8 +90,17 @@ class Channel:
         with self._lock:
             if self.group.broken is not None:
                 self.group.check_usable(what)
-            self._announce()
-            sequence, seen = self.sequence, self._seen
+            self.sequence = sequence = self.sequence + 1  # `_announce` inline: a call less on every collective
+            sends = self._stamp_sends
+            for send in sends:
+                if not send.Test():
+                    self._announce_queued(sequence)
+                    break
+            else:
+                self._stamp[0] = sequence
+                for send in sends:
+                    send.Start()
+            seen = self._seen
             for k, receive in enumerate(self._receives):  # `_missing` inline: the last rank to arrive finds every
                 if seen[k] < sequence and receive.Test():  # peer's announcement here, and makes the call at once
                     seen[k] = self._inboxes[k][0]
@@ -137,16 +146,16 @@ class Channel:
     def _announce(self) -> None:
         self.sequence = sequence = self.sequence + 1
         sends = self._stamp_sends
-        if not sends:
-            return
         for send in sends:  # one call per request: Testall and Startall build an array of them each time
             if not send.Test():
-                break
-        else:  # 8-byte sends complete at once: the stamp is free again
-            self._stamp[0] = sequence
-            for send in sends:
-                send.Start()
-            return
+                self._announce_queued(sequence)
+                return
+        self._stamp[0] = sequence  # 8-byte sends complete at once: the stamp is free again
+        for send in sends:
+            send.Start()
+
+    def _announce_queued(self, sequence: int) -> None:
+        """Announces `sequence` while the stamp's sends are still in flight: from a buffer of its own."""
         MPI = self.group.MPI
         if len(self._sends) >= _CHECK_SENDS_EVERY and MPI.Request.Testall(self._sends):  # rare: look seldom
             self._sends.clear()
