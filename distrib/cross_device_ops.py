@@ -135,6 +135,8 @@ class _PackedAllReduce(CrossDeviceOps):
             raise ValueError(f"num_packs must be non-negative. Received: {num_packs}.")
         self.num_packs = num_packs
         self._plans: dict[tuple, planner.AllReducePlan] = {}  # a training step asks for the same plan every time
+        # (options, op, dtype, shape, device count, plan) of the last one-value batch, matched without hashing
+        self._last_one: tuple = (None,) * 6
 
     _MAX_CACHED_PLANS = 256
 
@@ -162,10 +164,20 @@ class _PackedAllReduce(CrossDeviceOps):
         return plan
 
     def batch_all_reduce(self, backend, op, per_replica, devices, options):
-        specs = tuple(map(_SPEC, per_replica[0]))
+        values = per_replica[0]
+        if len(values) == 1:  # one value, as the last time (a step's usual all-reduce): the same plan, found by
+            # identities and a shape comparison rather than by building and hashing a key (a dtype's hash walks its
+            # fields each time); the options are frozen, so the same object means the same packing
+            value, last = values[0], self._last_one
+            if last[0] is options and last[1] is op and last[2] is value.dtype and last[3] == value.shape and \
+                    last[4] == len(devices):
+                return backend.execute(last[5], per_replica, list(devices), timeout=options.timeout_seconds or None)
+        specs = tuple(map(_SPEC, values))
         plan = self._plans.get((specs, op, len(devices), options.bytes_per_pack, options.implementation))  # as
         if plan is None:  # all_reduce_plan looks it up, without its call: every step asks for the same plan
             plan = self.all_reduce_plan(specs, op, len(devices), options)
+        if len(specs) == 1:
+            self._last_one = (options, op, specs[0][1], specs[0][0], len(devices), plan)
         return backend.execute(plan, per_replica, list(devices), timeout=options.timeout_seconds or None)
 
     def __repr__(self) -> str:

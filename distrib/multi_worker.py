@@ -47,7 +47,8 @@ class MultiWorkerExtended(MirroredExtended):
                 not self._host_arrays:
             return super().reduce_to(reduce_op, value, destinations, options)
         context.require_cross_replica("reduce_to", self._strategy_ref())
-        op = (_REDUCE_OPS.get(reduce_op) if type(reduce_op) in (str, ReduceOp) else None) or ReduceOp.from_value(reduce_op)
+        op = _REDUCE_OPS.get(reduce_op) if type(reduce_op) in (str, ReduceOp) else None  # `from_value`'s look-up
+        op = op or ReduceOp.from_value(reduce_op)
         if arrays[0].dtype not in _REDUCIBLE:
             _check_reduce_inputs(arrays, 0)
         reduced = self._cross_device_ops.batch_all_reduce(self._backend, op, [[arrays[0]]], self._devices,

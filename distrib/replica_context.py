@@ -144,7 +144,8 @@ class ReplicaContext:
         """
         if context.get_replica_context() is not self:
             self._require_current("all_reduce")
-        op = (_REDUCE_OPS.get(reduce_op) if type(reduce_op) in (str, ReduceOp) else None) or ReduceOp.from_value(reduce_op)
+        op = _REDUCE_OPS.get(reduce_op) if type(reduce_op) in (str, ReduceOp) else None  # `from_value`'s look-up
+        op = op or ReduceOp.from_value(reduce_op)
         host = self._strategy._extended
         if host._inline is self and type(value) in LEAF_TYPES:  # one value in a run on the calling thread:
             # `_collective`'s steps for it, without its closures and rendezvous, nor calls that change nothing for a

@@ -427,3 +427,20 @@ def test_hierarchical_copy_and_reduction_to_one_device_keep_their_algorithm_what
     for op in (HierarchicalCopyAllReduce(), ReductionToOneDevice()):
         result = all_reduce_values(op, backend, ReduceOp.SUM, values, devs, CommunicationOptions(implementation="NCCL"))
         assert [float(x) for x in result[0]] == [3.0, 3.0]
+
+
+def test_a_one_value_batch_reuses_the_last_plan_only_for_the_same_request():
+    backend, devices, op = CpuBackend(2), ["CPU:0", "CPU:1"], distrib.NcclAllReduce()
+    chunked = CommunicationOptions(bytes_per_pack=8)
+    asked = []
+    execute = backend.execute
+    backend.execute = lambda plan, *args, **kwargs: asked.append(plan) or execute(plan, *args, **kwargs)
+    for value, reduce_op, options in [(np.arange(3, dtype=np.float32), ReduceOp.SUM, CommunicationOptions())] * 2 + [
+            (np.arange(3, dtype=np.float64), ReduceOp.SUM, CommunicationOptions()),
+            (np.arange(4, dtype=np.float32), ReduceOp.SUM, CommunicationOptions()),
+            (np.arange(4, dtype=np.float32).reshape(2, 2), ReduceOp.SUM, CommunicationOptions()),
+            (np.arange(4, dtype=np.float32), ReduceOp.MEAN, CommunicationOptions()),
+            (np.arange(4, dtype=np.float32), ReduceOp.MEAN, chunked)]:
+        out = op.batch_all_reduce(backend, reduce_op, [[value], [value]], devices, options)
+        assert asked[-1] is op.all_reduce_plan([(value.shape, value.dtype)], reduce_op, 2, options)
+        np.testing.assert_array_equal(out[1][0], value * (2 if reduce_op is ReduceOp.SUM else 1))

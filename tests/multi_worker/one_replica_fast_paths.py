@@ -1,0 +1,65 @@
+"""Run under `mpirun -np 2` with one emulated replica per process; rank 0 writes to the JSON file argv[1] whether each
+one-replica fast path (reduce_to of one array, all_reduce of one value in a run) gave the general route's result."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+import distrib
+from distrib.extended import StrategyExtended
+
+strategy = distrib.MultiWorkerMirroredStrategy()
+extended = strategy.extended
+rank = extended._group.rank
+report: dict = {}
+
+
+def same(fast, general) -> bool:
+    fast, general = np.asarray(fast), np.asarray(general)
+    return fast.dtype == general.dtype and fast.shape == general.shape and bool(np.array_equal(fast, general)) \
+        and fast.flags.writeable == general.flags.writeable
+
+
+def error_of(call) -> str:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the error is what is compared
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+for dtype in ("float32", "float64", "int32", "float16"):
+    for shape in ((5,), (2, 3), ()):
+        value = (np.arange(int(np.prod(shape))).reshape(shape) * (rank + 1) + 0.5 * (dtype != "int32")).astype(dtype)
+        per_replica = strategy.experimental_distribute_values_from_function(lambda ctx: value)
+        for op in ("SUM", "MEAN", distrib.ReduceOp.SUM):
+            case = f"{op} of {dtype}{list(shape)}"
+            fast = extended.reduce_to(op, per_replica, per_replica)
+            general = StrategyExtended.reduce_to(extended, op, per_replica, per_replica)
+            report[f"reduce_to {case}"] = type(fast) is type(general) is distrib.Mirrored and \
+                same(fast.values[0], general.values[0])
+
+            def step(x):
+                context = distrib.get_replica_context()
+                return context.all_reduce(op, x), context.all_reduce(op, [x])[0]  # a list: the general route
+
+            fast, general = strategy.run(step, args=(per_replica,))
+            report[f"run all_reduce {case}"] = same(fast, general)
+# plain Python numbers, and the errors, are the general route's too
+report["run all_reduce of a float"] = strategy.run(
+    lambda: distrib.get_replica_context().all_reduce("SUM", 1.5)) == 3.0
+flags = strategy.experimental_distribute_values_from_function(lambda ctx: np.array([True, False]))
+report["reduce_to error"] = error_of(lambda: extended.reduce_to("SUM", flags, flags)) == \
+    error_of(lambda: StrategyExtended.reduce_to(extended, "SUM", flags, flags))
+one_error = error_of(lambda: strategy.run(lambda x: distrib.get_replica_context().all_reduce("SUM", x), args=(flags,)))
+list_error = error_of(lambda: strategy.run(lambda x: distrib.get_replica_context().all_reduce("SUM", [x]),
+                                          args=(flags,)))
+report["all_reduce error"] = one_error == list_error.replace("path [0]", "path <root>")
+report["bad op"] = error_of(lambda: extended.reduce_to("MAX", flags, flags)) == \
+    error_of(lambda: StrategyExtended.reduce_to(extended, "MAX", flags, flags))
+if rank == 0:
+    with open(sys.argv[1], "w") as file:
+        json.dump({name: bool(ok) for name, ok in report.items()}, file)
