@@ -2,8 +2,10 @@
 
 Run it as `python bench/multi_worker_bench.py` (it relaunches itself under `mpirun -np 2`) or under your own
 `mpirun -np N python bench/multi_worker_bench.py --launched`. Each process drives one emulated replica, so every
-column moves the same bytes between the same processes; the raw column is `comm.Allreduce(src, dst, SUM)` on the
-very arrays distrib reduces, into the pooled buffer distrib's results land in; `backend` is the MPI backend's
+column moves the same bytes between the same processes; the raw column is `comm.Allreduce([src, MPI.FLOAT], [dst,
+MPI.FLOAT], MPI.SUM)` (typed buffer specs, as distrib passes them; interleaved with the untyped form on
+2026-11-28 they took the same time) on the very arrays distrib reduces, into the pooled buffer distrib's results
+land in; `backend` is the MPI backend's
 `all_reduce` of that array alone (the transport layer, as bench/nccl_bench.py times the CUDA backend), `reduce_to`
 and `run` the strategy's API on top of it. The columns are interleaved call by call (raw, backend, reduce_to, run,
 raw, ...), every call started by a barrier and timed on its own, so a core taken away by another job hits every
@@ -49,6 +51,8 @@ def relaunch(processes: int, argv: list[str]) -> int:
 
 
 def measure(strategy, comm, kilobytes: int, seconds: float) -> dict:
+    from mpi4py import MPI
+
     import distrib
 
     elements = kilobytes * 1024 // 4
@@ -60,7 +64,8 @@ def measure(strategy, comm, kilobytes: int, seconds: float) -> dict:
     # call of every column writes the buffer the call before wrote. With a buffer of its own, written every 4th
     # call only, identical raw calls were 5-15 % slower at 1 MB and 20-60 % at 4 MB (the others evict it)
     destination: list[np.ndarray] = []
-    steps = {"raw": lambda: comm.Allreduce(source, destination[-1]),
+    float32 = MPI.FLOAT  # typed buffer specs, as distrib passes them
+    steps = {"raw": lambda: comm.Allreduce([source, float32], [destination[-1], float32], MPI.SUM),
              "backend": lambda: backend.all_reduce([source], ((0, elements),), devices, False),
              "reduce_to": lambda: extended.reduce_to("SUM", per_replica, destinations=per_replica),
              "run": lambda: strategy.run(lambda x: distrib.get_replica_context().all_reduce("SUM", x),
