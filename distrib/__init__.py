@@ -7,6 +7,7 @@ from distrib.cross_device_ops import (CollectiveAllReduce, CrossDeviceOps, Hiera
                                      ReductionToOneDevice)
 from distrib.context import (get_cross_replica_context, get_replica_context, get_strategy, has_strategy,
                              in_cross_replica_context)
+from distrib.distributed_variables import DistributedVariable, MirroredVariable, SyncOnReadVariable
 from distrib.extended import StrategyExtended
 from distrib.input import (DistributedDataset, DistributedDatasetsFromFunction, DistributedIterator, InputContext,
                            ValueContext)
@@ -19,8 +20,7 @@ from distrib.parameter_server.strategy import ParameterServerStrategy
 from distrib.replica_context import ReplicaContext
 from distrib.strategy import Strategy
 from distrib.values import DistributedValues, Mirrored, PerReplica
-from distrib.variables import (DistributedVariable, MirroredVariable, SyncOnReadVariable, Variable,
-                               VariableAggregation, VariableSynchronization)
+from distrib.variables import Variable, VariableAggregation, VariableSynchronization
 
 __all__ = [
     "__version__",

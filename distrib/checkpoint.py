@@ -10,10 +10,11 @@ from typing import Any
 import numpy as np
 
 from distrib import checkpoint_file, context
+from distrib.distributed_variables import DistributedVariable, MirroredVariable, SyncOnReadVariable
 from distrib.errors import CheckpointError, ContextError
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.variable import ParameterServerVariable
-from distrib.variables import DistributedVariable, MirroredVariable, SyncOnReadVariable, Variable, VariableAggregation
+from distrib.variables import Variable, VariableAggregation
 
 # What a checkpoint saves as one variable: a ShardedVariable saves its full value, so it restores into any shard count.
 _VARIABLES = (Variable, DistributedVariable, ShardedVariable, ParameterServerVariable)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from distrib.devices import HOST, canonical_name
+from distrib.distributed_variables import DistributedVariable
 from distrib.values import DistributedValues, PerReplica
-from distrib.variables import DistributedVariable
 
 
 def resolve_destinations(destinations: Any, devices: tuple[str, ...]) -> tuple[str, ...]:

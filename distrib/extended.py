@@ -17,6 +17,7 @@ from distrib.backends import Backend
 from distrib.cross_device_ops import CrossDeviceOps
 from distrib.destinations import resolve_destinations
 from distrib.devices import HOST
+from distrib.distributed_variables import DistributedVariable, MirroredVariable, create_distributed_variable
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.input import InputWorkers
 from distrib.interrupts import deferred_interrupts
@@ -24,8 +25,7 @@ from distrib.options import CommunicationOptions, ReduceOp, RunOptions
 from distrib.replica_context import normalize_axes, reducible
 from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_scalar, local_components, regroup,
                             register_leaf_type, select_replicas)
-from distrib.variables import (DistributedVariable, MirroredVariable, Variable, VariableAggregation,
-                               VariableSynchronization, create_distributed_variable, update_context)
+from distrib.variables import Variable, VariableAggregation, VariableSynchronization, update_context
 
 
 def _component_array(component: Any) -> Any:

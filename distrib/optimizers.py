@@ -10,11 +10,12 @@ import numpy as np
 
 from distrib import context
 from distrib.checkpoint import restore_deferred
+from distrib.distributed_variables import DistributedVariable, MirroredVariable
 from distrib.interrupts import deferred_interrupts
 from distrib.options import ReduceOp
 from distrib.training_dtypes import check_trainable_dtype, compute_dtype
 from distrib.values import DistributedValues, PerReplica
-from distrib.variables import DistributedVariable, MirroredVariable, Variable, VariableAggregation, write_serials
+from distrib.variables import Variable, VariableAggregation, write_serials
 
 __all__ = ["Adam", "Optimizer", "SGD"]
 

@@ -1,4 +1,4 @@
-"""Variables: a single-device Variable, and the MirroredVariable / SyncOnReadVariable a strategy's scope creates.
+"""Variables: a single-device Variable (the components of distributed_variables.py's), its enums and checks.
 
 Reads are zero-copy read-only views; a write happens in place unless a view handed out earlier is still alive,
 in which case it goes to a fresh buffer (copy on write), so a value you read never changes under you.
@@ -12,15 +12,13 @@ import itertools
 import sys
 import threading
 import weakref
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from distrib import context
 from distrib.backends import Backend, get_backend
 from distrib.options import coerce_enum
-from distrib.plan import is_inexact
-from distrib.values import DistributedValues, PerReplica, is_zero_scalar, register_leaf_type
 
 
 def check_numeric(dtype: Any) -> None:
@@ -49,7 +47,7 @@ class VariableAggregation(enum.Enum):
 
 def write_serials(variable: Any) -> tuple[int, ...]:
     """Changes whenever any copy of `variable` is written: while it stays, a host copy of the value stays right."""
-    components = variable.values if isinstance(variable, DistributedVariable) else (variable,)
+    components = variable.values if getattr(variable, "_is_distributed_variable", False) else (variable,)
     return tuple(component._write_serial for component in components)
 
 
@@ -235,230 +233,8 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
         return f"<Variable {self._name!r} shape={self.shape} dtype={self.dtype.name} device={self._device}>"
 
 
-class DistributedVariable(_ArrayOperators, DistributedValues):
-    """A variable with one component Variable per replica device; the base of Mirrored/SyncOnRead variables."""
-
-    _is_distributed_variable = True
-
-    def __init__(self, strategy: Any, components: Sequence[Variable], aggregation: VariableAggregation,
-                 name: str, trainable: bool):
-        super().__init__(components)
-        self._strategy, self._aggregation, self._name, self.trainable = strategy, aggregation, name, trainable
-        for component in components:
-            component._distributed_container = weakref.ref(self)
-
-    # -- which component --------------------------------------------------------------------------------
-
-    def _local(self) -> Variable | None:
-        """The component for the current replica or update, or None in a cross-replica context."""
-        update_id = getattr(_update_replica, "id", None)
-        if update_id is not None:
-            return self._values[update_id]
-        ctx = context.get_replica_context()
-        if ctx is not None and ctx.strategy is self._strategy:
-            return self._values[ctx._replica_id]  # the index among this process's replicas
-        return None
-
-    def _get(self) -> Variable:
-        return self._local() or self._values[0]
-
-    @property
-    def values(self) -> tuple:
-        return self._values
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        return tuple(c.device for c in self._values)
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def shape(self) -> tuple:
-        return self._values[0].shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self._values[0].dtype
-
-    @property
-    def aggregation(self) -> VariableAggregation:
-        return self._aggregation
-
-    @property
-    def synchronization(self) -> VariableSynchronization:
-        raise NotImplementedError
-
-    def read_value(self) -> Any:
-        return self._get().read_value()
-
-    def numpy(self) -> np.ndarray:
-        return np.array(self._strategy.extended.backend.to_host(self.read_value()), copy=True)
-
-    def value(self) -> Any:
-        return self.read_value()
-
-    def _in_replica_context(self) -> bool:
-        ctx = context.get_replica_context()
-        return ctx is not None and ctx.strategy is self._strategy and getattr(_update_replica, "id", None) is None
-
-    def _write(self, method: str, value: Any):
-        raise NotImplementedError
-
-    def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Sets the value, following the variable's synchronization and aggregation; returns the variable."""
-        return self._write("assign", value)
-
-    def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign_add", delta)
-
-    def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign_sub", delta)
-
-    def _update_all(self, method: str, value: Any):
-        """Applies `component.method(select_replica(i, value))` to every component (cross-replica)."""
-        self._strategy.extended.update(self, lambda component, v: getattr(component, method)(v), args=(value,))
-        return self
-
-    def __repr__(self) -> str:
-        return (f"<{type(self).__name__} {self._name!r} shape={self.shape} dtype={self.dtype.name} "
-                f"devices={self.devices}>")
-
-
-class MirroredVariable(DistributedVariable):
-    """Copies kept equal on every replica: every write updates all of them (synchronization ON_WRITE).
-
-    In a replica context a write needs an aggregation other than NONE to combine the replicas' values (SUM,
-    MEAN or ONLY_FIRST_REPLICA); with NONE it changes only the local copy. In a cross-replica context a write
-    gives every copy the same value.
-    """
-
-    @property
-    def synchronization(self) -> VariableSynchronization:
-        return VariableSynchronization.ON_WRITE
-
-    def _write(self, method: str, value: Any):
-        if isinstance(value, DistributedVariable):
-            value = value.read_value()
-        local = self._local()
-        if not self._in_replica_context():
-            if local is not None:  # inside extended.update: this component only
-                getattr(local, method)(value)
-                return self
-            if isinstance(value, PerReplica):
-                raise ValueError(f"A MirroredVariable can only be given one value, or a Mirrored one, in a "
-                                 f"cross-replica context ({method} of {self._name!r}). Received: a PerReplica; "
-                                 f"reduce it first (strategy.extended.reduce_to).")
-            return self._update_all(method, value)
-        if self._aggregation is VariableAggregation.NONE:
-            getattr(local, method)(value)
-            return self
-        ctx = context.get_replica_context()
-        ctx.merge_call(_merge_mirrored_write, args=(self, method, value))
-        return self
-
-
-def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str, value: Any) -> None:
-    """Cross-replica half of a replica-context write: combine the replicas' values, then update every copy."""
-    aggregation = variable.aggregation
-    if not isinstance(value, DistributedValues) and strategy.extended._local_components(value) is not None:
-        value = PerReplica((value,))  # one replica per process: its own value, combined with the other processes'
-    if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-        value = strategy.extended._first_replica_value(value.values[0]) if isinstance(value, PerReplica) else value
-    elif isinstance(value, PerReplica):
-        if aggregation is VariableAggregation.MEAN and not is_inexact(variable.dtype):
-            raise ValueError(f"Cannot update non-float variable {variable.name!r} with aggregation MEAN: the mean "
-                             f"of its replicas' values is not an integer.")
-        value = strategy.extended.reduce_to(aggregation.name, value, destinations=variable)
-    elif aggregation is VariableAggregation.SUM and strategy.num_replicas_in_sync > 1 and not is_zero_scalar(value):
-        raise ValueError(f"A value that is the same object on every replica cannot be SUM-aggregated into "
-                         f"{variable.name!r}: it would be counted {strategy.num_replicas_in_sync} times. Pass a "
-                         f"per-replica value, or use aggregation MEAN or ONLY_FIRST_REPLICA.")
-    strategy.extended.update(variable, lambda component, v: getattr(component, method)(v), args=(value,))
-
-
-class SyncOnReadVariable(DistributedVariable):
-    """Copies that diverge per replica and are aggregated when read cross-replica (synchronization ON_READ).
-
-    Typical for metrics: each replica accumulates its own copy; a cross-replica read gives their SUM or MEAN
-    (or replica 0's with ONLY_FIRST_REPLICA).
-    """
-
-    @property
-    def synchronization(self) -> VariableSynchronization:
-        return VariableSynchronization.ON_READ
-
-    def read_value(self) -> Any:
-        local = self._local()
-        if local is not None:
-            return local.read_value()
-        if self._aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            return self._strategy.extended._first_replica_value(self._values[0].read_value())
-        if self._aggregation is VariableAggregation.NONE:
-            raise ValueError(f"A SyncOnReadVariable with aggregation NONE has no cross-replica value "
-                             f"({self._name!r}); read it inside strategy.run, or give it an aggregation.")
-        with self._strategy.scope():
-            total = self._strategy.reduce(self._aggregation.name, self, axis=None)
-        if isinstance(total, np.ndarray):  # read-only like every other read
-            total.flags.writeable = False
-        return total
-
-    def numpy(self) -> np.ndarray:
-        return np.array(self._strategy.extended.backend.to_host(self.read_value()), copy=True)
-
-    def _write(self, method: str, value: Any):
-        local = self._local()
-        if local is not None:  # replica context or extended.update: the local copy only
-            getattr(local, method)(value)
-            return self
-        if method != "assign" and self._aggregation is VariableAggregation.SUM:
-            raise ValueError(f"SyncOnReadVariable {self._name!r} with aggregation SUM does not support {method} in "
-                             f"a cross-replica context: the change would be counted once per replica.")
-        if method == "assign" and self._aggregation is VariableAggregation.SUM:
-            share = np.asarray(self._strategy.extended.backend.to_host(value)) / self._strategy.num_replicas_in_sync
-            value = share if is_inexact(self.dtype) else np.trunc(share).astype(self.dtype)  # 7 over 2 -> 3 + 3
-        return self._update_all(method, value)
-
-
 def _coerce_aggregation(aggregation: Any) -> VariableAggregation:
     """A VariableAggregation from a member or its name; None means NONE, as in TensorFlow."""
     if aggregation is None:
         return VariableAggregation.NONE
     return coerce_enum(VariableAggregation, aggregation, "aggregation")
-
-
-def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequence[str], initial_value: Any,
-                                trainable: bool | None = None, name: str | None = None,
-                                synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
-                                aggregation: VariableAggregation | str = VariableAggregation.NONE,
-                                dtype: Any = None) -> DistributedVariable:
-    """The strategy's variable: components named `<name>/replica_<i>`, all starting from one initial value."""
-    synchronization = coerce_enum(VariableSynchronization, synchronization, "synchronization")
-    aggregation = _coerce_aggregation(aggregation)
-    if synchronization is VariableSynchronization.NONE:
-        raise ValueError("synchronization=NONE is not supported for distributed variables; use AUTO, ON_WRITE "
-                         "or ON_READ.")
-    on_read = synchronization is VariableSynchronization.ON_READ
-    if trainable is None:
-        trainable = not on_read  # TensorFlow allows trainable=True with ON_READ too
-    if callable(initial_value):
-        initial_value = initial_value()  # once: every replica starts from the same value
-    primary = Variable.__new__(Variable)
-    Variable.__init__(primary, initial_value, trainable, None, dtype=dtype, device=devices[0], backend=backend)
-    if aggregation is VariableAggregation.MEAN and not is_inexact(primary.dtype):
-        raise ValueError(f"aggregation MEAN needs a floating-point variable. Received: dtype {primary.dtype}; use "
-                         f"SUM or ONLY_FIRST_REPLICA for integers.")
-    name = name or "Variable"
-    components = []
-    for i, device in enumerate(devices):
-        component = Variable.__new__(Variable)
-        Variable.__init__(component, primary.read_value(), trainable, f"{name}/replica_{i}", device=device,
-                          backend=backend)
-        components.append(component)
-    cls = SyncOnReadVariable if synchronization is VariableSynchronization.ON_READ else MirroredVariable
-    return cls(strategy, components, aggregation, name, trainable)
-
-
-for _cls in (MirroredVariable, SyncOnReadVariable):  # not Variable: regroup must see its container
-    register_leaf_type(_cls)
