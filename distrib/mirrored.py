@@ -56,7 +56,7 @@ class MirroredExtended(StrategyExtended):
         self._greenlets = threading.local()  # .replicas: each calling thread's ReplicaGreenlets
         self._cooperative_run: Any = None  # the ReplicaGreenlets of the cooperative run in progress
         self._threads: list[ReplicaThread] = []
-        self._run_lock = threading.RLock()  # re-entrant only for `_is_owned`: no thread takes it twice
+        self._run_lock = threading.Lock()
         self._running_thread: int | None = None
         self._inline: ReplicaContext | None = None  # the replica context of a run on the calling thread
         self._merge_error: BaseException | None = None  # the last error a merge raised in that run
@@ -95,7 +95,7 @@ class MirroredExtended(StrategyExtended):
                                f"or a merge_fn), which holds the strategy until it returns. Received: a call from "
                                f"{where}, on thread {threading.current_thread().name!r}. Close it after run returns.")
         if self._pid != _PID[0]:  # forked during another thread's run: that thread and its lock are gone
-            self._run_lock, self._running_thread = threading.RLock(), None
+            self._run_lock, self._running_thread = threading.Lock(), None
         acquired = False
         try:
             while not acquired:  # waits for a run in progress on another thread to end, unless it waits for us
@@ -114,7 +114,8 @@ class MirroredExtended(StrategyExtended):
 
     def _call_for_each_replica(self, fn, args, kwargs, options: RunOptions | None = None):
         run_timeout = None if options is None else options.timeout_seconds
-        deadline = None if run_timeout is None else time.monotonic() + run_timeout
+        started = time.monotonic()
+        deadline = None if run_timeout is None else started + run_timeout
         inline = deadline is None and len(self._devices) == 1  # nothing to overlap, no deadline to keep
         if self._running_thread == threading.get_ident():
             if self._cooperative_run is not None and self._cooperative_run.in_replica():
@@ -132,13 +133,24 @@ class MirroredExtended(StrategyExtended):
             finally:
                 retire_all(threads)
         if self._pid != _PID[0]:  # forked during another thread's run: that thread and its lock are gone
-            self._run_lock, self._running_thread = threading.RLock(), None
-        lock = self._run_lock
+            self._run_lock, self._running_thread = threading.Lock(), None
+        wait = self._default_timeout if run_timeout is None else run_timeout
+        acquired = False
         try:
-            # whether this thread holds the lock is the lock's to say (`_is_owned`, below), not a local's, so a
-            # Ctrl-C landing just as it is taken cannot leave it taken, with no deferral (two sigaction calls) needed
-            if not lock.acquire(False):
-                self._wait_for_turn(lock, self._default_timeout if run_timeout is None else run_timeout)
+            while not acquired:
+                with deferred_interrupts():  # so that a Ctrl-C cannot land between taking the lock and `acquired`
+                    acquired = self._run_lock.acquire(False) or self._run_lock.acquire(timeout=POLL_SECONDS)
+                if not acquired:
+                    self._refuse_a_wait_forever(
+                        "Strategy.run cannot start", "Runs of one strategy cannot nest from a thread that a replica "
+                        "function waits on: return what the thread computed and call run after the run in progress "
+                        "returns, or call the function directly in the replica function.")
+                if not acquired and time.monotonic() - started >= wait:
+                    raise DeadlineExceededError(
+                        f"Strategy.run waited {wait:g} s for this strategy's run in progress on another thread to "
+                        f"end. Runs of one strategy take turns; a run started from a thread that a replica "
+                        f"function waits for can never start: call run from the thread that runs the others, "
+                        f"after they return.", operation="run")
             if self._closed:
                 raise ContextError(f"{self._container_strategy!r} is closed: create a new strategy to run again.")
             self._running_thread = threading.get_ident()
@@ -151,25 +163,9 @@ class MirroredExtended(StrategyExtended):
                     return self._run_cooperative(fn, args, kwargs)
                 return self._run(fn, args, kwargs, self._ensure_threads(), deadline)
         finally:
-            if lock._is_owned():  # no thread holds it on entry: a nested run from a merge_fn took no lock
+            if acquired:
                 self._running_thread = None
-                lock.release()
-
-    def _wait_for_turn(self, lock: Any, wait: float) -> None:
-        """Takes `lock` (the run lock, which another thread's run holds) once that run ends, unless that run waits
-        for this thread (ContextError) or `wait` seconds pass (DeadlineExceededError)."""
-        started = time.monotonic()
-        while not lock.acquire(timeout=POLL_SECONDS):
-            self._refuse_a_wait_forever(
-                "Strategy.run cannot start", "Runs of one strategy cannot nest from a thread that a replica "
-                "function waits on: return what the thread computed and call run after the run in progress "
-                "returns, or call the function directly in the replica function.")
-            if time.monotonic() - started >= wait:
-                raise DeadlineExceededError(
-                    f"Strategy.run waited {wait:g} s for this strategy's run in progress on another thread to "
-                    f"end. Runs of one strategy take turns; a run started from a thread that a replica "
-                    f"function waits for can never start: call run from the thread that runs the others, "
-                    f"after they return.", operation="run")
+                self._run_lock.release()
 
     def _refuse_a_wait_forever(self, refusal: str, advice: str) -> None:
         """ContextError, `refusal` then `advice`, if the run in progress waits, without a timeout, for the thread
