@@ -331,14 +331,18 @@ def strategy_rows(cupy, distrib, backend) -> dict:
     vector = one.experimental_distribute_values_from_function(
         lambda ctx: cupy.ones(STRATEGY_VECTOR, np.float32))
     replicas, count, elements = STRATEGY_BATCH
-    shared = distrib.MirroredStrategy(["GPU:0"] * replicas)
-    batch = shared.experimental_distribute_values_from_function(
-        lambda ctx: [cupy.full(elements, ctx.replica_id_in_sync_group + 1, np.float32) for _ in range(count)])
-    results = {"run_all_reduce_1m_1_replica_us": step_us(one, all_reduce, (vector,)),
-               "run_batched_200x1000_4_replicas_one_gpu_us": step_us(shared, all_reduce, (batch,))}
+    results = {"run_all_reduce_1m_1_replica_us": step_us(one, all_reduce, (vector,))}
+    # replica threads (the default, the target's row), and cooperative replicas taking turns on the calling thread
+    for execution, key in (("threads", ""), ("cooperative", "_cooperative")):
+        shared = distrib.MirroredStrategy(["GPU:0"] * replicas, replica_execution=execution)
+        batch = shared.experimental_distribute_values_from_function(
+            lambda ctx: [cupy.full(elements, ctx.replica_id_in_sync_group + 1, np.float32) for _ in range(count)])
+        results[f"run_batched_200x1000_4_replicas_one_gpu{key}_us"] = step_us(shared, all_reduce, (batch,))
+        shared.close()
     print(f"# strategy.run + all_reduce, synchronised per step: 1M float32 on 1 replica "
           f"{results['run_all_reduce_1m_1_replica_us']:.0f} us; {count} x {elements} float32 on {replicas} replicas "
-          f"sharing GPU:0 {results['run_batched_200x1000_4_replicas_one_gpu_us']:.0f} us")
+          f"sharing GPU:0 {results['run_batched_200x1000_4_replicas_one_gpu_us']:.0f} us on replica threads, "
+          f"{results['run_batched_200x1000_4_replicas_one_gpu_cooperative_us']:.0f} us cooperative")
     return results
 
 

@@ -238,6 +238,9 @@ class MirroredExtended(StrategyExtended):
         threads = self._ensure_threads()
         self._cooperative_run = replicas
         try:
+            if not self._host_arrays:  # replicas sharing one GPU: its device and stream current while they run
+                with self._backend.device_scope(self._devices[0]):
+                    return regroup(replicas.execute(run, lambda run: self._merge(run, threads)))
             return regroup(replicas.execute(run, lambda run: self._merge(run, threads)))
         except BaseException as exc:
             if run.error is not None and exc is run.error[1] and run.error[0] is not None:
@@ -382,9 +385,9 @@ class MirroredStrategy(Strategy):
       cross_device_ops: a `NcclAllReduce` (default), `HierarchicalCopyAllReduce` or `ReductionToOneDevice`.
       communication_options: default `CommunicationOptions` for every collective.
       replica_execution: "threads" (one thread per replica, the default) or "cooperative" (emulated CPU
-        replicas only: each a greenlet on the calling thread, run one after another up to each collective, with
-        no thread handoff per step and no concurrency between replicas); None reads
-        `$DISTRIB_REPLICA_EXECUTION`. A cooperative replica that never comes back stalls its run, and a run
+        replicas, or replicas that all share one GPU: each a greenlet on the calling thread, run one after another
+        up to each collective, with no thread handoff per step and no concurrency between replicas); None reads
+        `$DISTRIB_REPLICA_EXECUTION` (which applies to emulated replicas only). A cooperative replica that never comes back stalls its run, and a run
         with a deadline (`RunOptions(timeout_seconds=...)`) uses the threads.
 
     Example:

@@ -199,15 +199,19 @@ def thread_replicas(local: threading.local, count: int) -> ReplicaGreenlets:
 
 
 def runs_cooperatively(backend_name: str, devices: Sequence[str], execution: str | None) -> bool:
-    """Whether the replicas run as greenlets: asked for (else $DISTRIB_REPLICA_EXECUTION), on the CPU emulator.
+    """Whether the replicas run as greenlets: asked for (else $DISTRIB_REPLICA_EXECUTION), on the CPU emulator, or
+    when asked for explicitly, on GPUs for replicas that all share one.
 
-    GPU replicas keep their threads (each holds its device current); the environment's choice applies to the
+    GPU replicas on distinct GPUs keep their threads (each holds its device current); replicas sharing one GPU
+    all use its stream, so they can take turns on the calling thread. The environment's choice applies to the
     emulator only, so one setting serves a job's CPU tests and its GPU runs alike.
     """
     chosen = replica_execution(execution)
     if chosen == "cooperative" and backend_name not in ("cpu", "mpi"):
         if execution is None:
             return False
-        raise ValueError(f"replica_execution='cooperative' needs the CPU emulator: GPU replicas run on threads, "
-                         f"each with its device current. Received: devices {list(devices)}.")
+        if len(set(devices)) > 1:
+            raise ValueError(f"replica_execution='cooperative' needs the CPU emulator or replicas that share one GPU: "
+                             f"replicas on distinct GPUs run on threads, each with its device current. Received: "
+                             f"devices {list(devices)}.")
     return chosen == "cooperative"

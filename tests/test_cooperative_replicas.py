@@ -194,12 +194,14 @@ def test_the_environment_chooses_and_gpus_keep_their_threads(monkeypatch):
         distrib.MirroredStrategy(DEVICES[:2], replica_execution="fast")
 
 
-def test_cooperative_needs_the_cpu_emulator():
+def test_cooperative_needs_the_cpu_emulator_or_replicas_sharing_one_gpu():
     from distrib.replica_greenlets import runs_cooperatively
 
-    with pytest.raises(ValueError, match="replica_execution='cooperative' needs the CPU emulator"):
-        runs_cooperatively("cuda", ["GPU:0"], "cooperative")
-    assert runs_cooperatively("cuda", ["GPU:0"], None) is False  # $DISTRIB_REPLICA_EXECUTION: GPUs keep threads
+    with pytest.raises(ValueError, match=r"needs the CPU emulator or replicas that share one GPU: replicas on "
+                                         r"distinct GPUs run on threads.*Received: devices \['GPU:0', 'GPU:1'\]"):
+        runs_cooperatively("cuda", ["GPU:0", "GPU:1"], "cooperative")
+    assert runs_cooperatively("cuda", ["GPU:0"] * 4, "cooperative") is True  # one stream: they can take turns
+    assert runs_cooperatively("cuda", ["GPU:0"] * 4, None) is False  # $DISTRIB_REPLICA_EXECUTION: GPUs keep threads
     assert runs_cooperatively("mpi", ["CPU:0"], "cooperative") is True
 
 

@@ -147,6 +147,32 @@ def test_cross_device_ops_on_a_shared_gpu_equal_the_emulator(op, reduce_op):
         assert_same(results["GPU"][key], results["CPU"][key], exact=True)
 
 
+@pytest.mark.parametrize("execution", ["threads", "cooperative"])
+def test_replicas_sharing_a_gpu_may_take_turns_on_the_calling_thread(execution):
+    def step(x):
+        ctx = distrib.get_replica_context()
+        total = ctx.all_reduce("SUM", x * (ctx.replica_id_in_sync_group + 1))
+        merged = ctx.merge_call(lambda strategy, v: strategy.reduce("SUM", v, axis=None), args=(total,))
+        weight.assign_add(total)  # a MirroredVariable's write: one merge, every replica's copy written
+        return total, merged
+
+    strategies = shared_gpu_and_emulator(4, replica_execution=execution)
+    results = {}
+    for kind, strategy in strategies.items():
+        xp = cupy if kind == "GPU" else np
+        with strategy.scope():
+            weight = distrib.Variable(xp.zeros(3, np.float32))
+        total, merged = strategy.run(step, args=(xp.ones(3, np.float32),))
+        host_of = strategy.extended.backend.to_host
+        local = strategy.experimental_local_results
+        results[kind] = ([host_of(t) for t in local(total)], [host_of(m) for m in local(merged)],
+                         [np.asarray(v.numpy()) for v in local(weight)])
+        assert strategy.extended.replica_execution == execution
+        strategy.close()
+    for gpu, cpu in zip(results["GPU"], results["CPU"]):
+        assert_same(gpu, cpu, exact=True)
+
+
 # -- a whole plan in one NCCL group ---------------------------------------------------------------------------------
 
 
