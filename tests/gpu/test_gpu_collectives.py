@@ -173,6 +173,23 @@ def test_replicas_sharing_a_gpu_may_take_turns_on_the_calling_thread(execution):
         assert_same(gpu, cpu, exact=True)
 
 
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_batch_reduce_to_of_arrays_already_on_their_gpus_equals_the_placing_route_and_the_emulator(replicas):
+    results = {}
+    for kind, strategy in shared_gpu_and_emulator(replicas).items():
+        xp = cupy if kind == "GPU" else np
+        placed = [strategy.experimental_distribute_values_from_function(  # the backend's own arrays, in place
+            lambda ctx, k=k: xp.arange(6, dtype=np.float32) * (ctx.replica_id_in_sync_group + k)) for k in range(3)]
+        hosted = strategy.experimental_distribute_values_from_function(  # host arrays: placed on the way
+            lambda ctx: np.full(4, ctx.replica_id_in_sync_group + 1, np.int32))
+        pairs = [(v, v) for v in (*placed, hosted)]
+        out = [strategy.extended.batch_reduce_to(op, pairs) for op in ("SUM", "MEAN")]
+        results[kind] = [strategy.extended.backend.to_host(a) for reduced in out for m in reduced
+                         for a in strategy.experimental_local_results(m)]
+        strategy.close()
+    assert_same(results["GPU"], results["CPU"], exact=True)
+
+
 # -- a whole plan in one NCCL group ---------------------------------------------------------------------------------
 
 
