@@ -15,6 +15,7 @@ replica thread that does not come back is retired and replaced, so the strategy 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -38,7 +39,7 @@ from distrib.replica_threads import (DONE, WAITING, ReplicaThread, RequestedStop
 from distrib.run_waits import POLL_SECONDS, patience, wait_for_phase
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
-from distrib.values import LEAF_TYPES, _one_replica_args, map_structure, regroup, select_replicas
+from distrib.values import LEAF_TYPES, map_structure, regroup, select_replicas
 
 # this process's id, kept current in a forked child: every run checks it, and os.getpid() is a system call
 _PID = [os.getpid()]
@@ -238,10 +239,9 @@ class MirroredExtended(StrategyExtended):
         threads = self._ensure_threads()
         self._cooperative_run = replicas
         try:
-            if not self._host_arrays:  # replicas sharing one GPU: its device and stream current while they run
-                with self._backend.device_scope(self._devices[0]):
-                    return regroup(replicas.execute(run, lambda run: self._merge(run, threads)))
-            return regroup(replicas.execute(run, lambda run: self._merge(run, threads)))
+            # replicas sharing one GPU: its device and stream current while they run (emulated devices have none)
+            with contextlib.nullcontext() if self._host_arrays else self._backend.device_scope(self._devices[0]):
+                return regroup(replicas.execute(run, lambda run: self._merge(run, threads)))
         except BaseException as exc:
             if run.error is not None and exc is run.error[1] and run.error[0] is not None:
                 name_replica(exc, run.error[0], count)
@@ -259,8 +259,7 @@ class MirroredExtended(StrategyExtended):
         strategy = self._strategy_ref()
         first = self._first_local_replica
         replica = ReplicaContext(strategy, first, first)
-        selected = _one_replica_args(args, True) if self._host_arrays else None  # `_selected`'s usual answer
-        args = self._selected(args, 1)[0] if selected is None else selected
+        args = self._selected(args, 1)[0]
         if kwargs:
             kwargs = self._selected(kwargs, 1)[0]
         outer, self._inline = self._inline, replica
@@ -387,8 +386,8 @@ class MirroredStrategy(Strategy):
       replica_execution: "threads" (one thread per replica, the default) or "cooperative" (emulated CPU
         replicas, or replicas that all share one GPU: each a greenlet on the calling thread, run one after another
         up to each collective, with no thread handoff per step and no concurrency between replicas); None reads
-        `$DISTRIB_REPLICA_EXECUTION` (which applies to emulated replicas only). A cooperative replica that never comes back stalls its run, and a run
-        with a deadline (`RunOptions(timeout_seconds=...)`) uses the threads.
+        `$DISTRIB_REPLICA_EXECUTION` (which applies to emulated replicas only). A cooperative replica that never
+        comes back stalls its run, and a run with a deadline (`RunOptions(timeout_seconds=...)`) uses the threads.
 
     Example:
       >>> import distrib, numpy as np

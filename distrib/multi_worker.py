@@ -19,7 +19,7 @@ from distrib.cross_device_ops import CollectiveAllReduce
 from distrib.extended import _REDUCIBLE, _check_reduce_inputs
 from distrib.input.contexts import InputWorkers
 from distrib.mirrored import MirroredExtended, checked_communication_options
-from distrib.options import _REDUCE_OPS, CommunicationOptions, ReduceOp
+from distrib.options import CommunicationOptions, ReduceOp
 from distrib.replica_context import check_gather_shapes
 from distrib.strategy import Strategy
 from distrib.values import Mirrored, PerReplica, flatten, local_components, unflatten
@@ -47,8 +47,7 @@ class MultiWorkerExtended(MirroredExtended):
                 not self._host_arrays:
             return super().reduce_to(reduce_op, value, destinations, options)
         context.require_cross_replica("reduce_to", self._strategy_ref())
-        op = _REDUCE_OPS.get(reduce_op) if type(reduce_op) in (str, ReduceOp) else None  # `from_value`'s look-up
-        op = op or ReduceOp.from_value(reduce_op)
+        op = ReduceOp.from_value(reduce_op)
         if arrays[0].dtype not in _REDUCIBLE:
             _check_reduce_inputs(arrays, 0)
         reduced = self._cross_device_ops.batch_all_reduce(self._backend, op, [[arrays[0]]], self._devices,

@@ -12,7 +12,7 @@ import numpy as np
 
 from distrib import context
 from distrib.errors import CollectiveMismatchError, ContextError
-from distrib.options import _REDUCE_OPS, CommunicationOptions, ReduceOp
+from distrib.options import CommunicationOptions, ReduceOp
 from distrib.values import (LEAF_SPEC, LEAF_TYPES, flatten, format_path, regroup, select_replicas, structure_mismatch,
                             unflatten)
 
@@ -144,8 +144,7 @@ class ReplicaContext:
         """
         if context.get_replica_context() is not self:
             self._require_current("all_reduce")
-        op = _REDUCE_OPS.get(reduce_op) if type(reduce_op) in (str, ReduceOp) else None  # `from_value`'s look-up
-        op = op or ReduceOp.from_value(reduce_op)
+        op = ReduceOp.from_value(reduce_op)
         host = self._strategy._extended
         if host._inline is self and type(value) in LEAF_TYPES:  # one value in a run on the calling thread:
             # `_collective`'s steps for it, without its closures and rendezvous, nor calls that change nothing for a

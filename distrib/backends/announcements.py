@@ -90,17 +90,8 @@ class Channel:
         with self._lock:
             if self.group.broken is not None:
                 self.group.check_usable(what)
-            self.sequence = sequence = self.sequence + 1  # `_announce` inline: a call less on every collective
-            sends = self._stamp_sends
-            for send in sends:
-                if not send.Test():
-                    self._announce_queued(sequence)
-                    break
-            else:
-                self._stamp[0] = sequence
-                for send in sends:
-                    send.Start()
-            seen = self._seen
+            self._announce()
+            sequence, seen = self.sequence, self._seen
             for k, receive in enumerate(self._receives):  # `_missing` inline: the last rank to arrive finds every
                 if seen[k] < sequence and receive.Test():  # peer's announcement here, and makes the call at once
                     seen[k] = self._inboxes[k][0]
