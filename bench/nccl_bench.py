@@ -43,6 +43,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # benchmark the checkout this file belongs to, installed or not
 
 from distrib.backends.cuda.watchdog import wait_for  # noqa: E402
+from measure import per_step_us  # noqa: E402 - bench/measure.py, the benchmarks' shared timing loop
 from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, header, parse_size  # noqa: E402
 from distrib.cli.bench.table import row as table_row  # noqa: E402
 from distrib.cli.bench.table import sizes as size_sweep  # noqa: E402
@@ -288,7 +289,7 @@ def kernel_rows(cupy, backend) -> dict:
                 results[f"{name}_GBps"] = 2 * flat.nbytes / gpu_us(launch) / 1e3
                 # and with its table built per call, as a pack of new gradients is: host time per member shows here
                 with_table = 2 * flat.nbytes / gpu_us(lambda: kernels.move(flat, parts, pack)) / 1e3
-                table_us = host_us(lambda: kernels.prepare_move(flat, parts, pack))
+                table_us = per_step_us(lambda: kernels.prepare_move(flat, parts, pack), repeats=5, min_seconds=0.05)
                 results |= {f"{name}_with_table_GBps": with_table, f"{name}_table_us": table_us}
                 bandwidth = results[f"{name}_GBps"]
                 lines.append(f"{name} {bandwidth:.0f} GB/s ({bandwidth / copy:.0%}), with its table built per call "
@@ -296,17 +297,6 @@ def kernel_rows(cupy, backend) -> dict:
     print(f"# pack/unpack kernels moving 64 MB vs a 64 MB device-to-device copy ({copy:.0f} GB/s, bytes read + "
           f"written):" + "".join(f"\n#   {line}" for line in lines))
     return results
-
-
-def host_us(step, repeats=50) -> float:
-    """Median host time of `step` in microseconds (after one warm-up call)."""
-    step()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
 
 
 def strategy_rows(cupy, distrib, backend) -> dict:
