@@ -180,9 +180,11 @@ def test_distrib_train_under_mpirun_reports_once_and_resumes_in_one_process(job,
     assert "epoch 2/2" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("announcements", ["shared-memory", "messages"])
 @pytest.mark.parametrize("fault, error", [("kill", "WorkerFailedError"), ("stall", "DeadlineExceededError")])
-def test_a_failed_rank_gives_the_other_a_typed_error_naming_it(tmp_path, fault, error):
-    done = mpirun("faults.py", fault, str(tmp_path / "error.json"), "2", timeout=60)
+def test_a_failed_rank_gives_the_other_a_typed_error_naming_it(tmp_path, fault, error, announcements):
+    done = mpirun("faults.py", fault, str(tmp_path / "error.json"), "2", timeout=60,
+                  DISTRIB_MPI_ANNOUNCEMENTS=announcements)
     assert done.returncode != 0  # the job ends, it does not hang
     report = json.loads((tmp_path / "error.json.0").read_text())
     assert report["type"] == error
@@ -269,16 +271,19 @@ def test_a_rank_stopped_inside_a_transfer_aborts_the_job_past_the_timeout(tmp_pa
 
 
 
-@pytest.fixture(scope="module")
-def one_replica_each(tmp_path_factory):
+@pytest.fixture(scope="module", params=["shared-memory", "messages"])
+def one_replica_each(request, tmp_path_factory):
+    """The report of one_replica.py, with the ranks announcing collectives through shared memory (as peers on one
+    host do) or by message (as peers on other hosts do)."""
     report = tmp_path_factory.mktemp("one_replica") / "report.json"
-    done = mpirun("one_replica.py", str(report), timeout=60)
+    done = mpirun("one_replica.py", str(report), timeout=60, DISTRIB_MPI_ANNOUNCEMENTS=request.param)
     assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(report.read_text())
+    return request.param, json.loads(report.read_text())
 
 
 def test_one_replica_per_process_all_reduces_as_one_process(one_replica_each):
-    checks = {name: ok for name, ok in one_replica_each.items() if name != "flood"}
+    _, report = one_replica_each
+    checks = {name: ok for name, ok in report.items() if name != "flood"}
     assert len(checks) == 16 and all(checks.values()), checks
 
 
@@ -290,8 +295,14 @@ def test_one_replica_fast_paths_give_the_general_routes_results(tmp_path):
 
 
 def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each):
-    flood = one_replica_each["flood"]
-    assert flood["sent_while_in_flight"] > 0  # the peer's queue filled: some went out beside the persistent send
+    announcements, report = one_replica_each
+    flood = report["flood"]
+    if announcements == "messages":
+        assert flood["by message"] == [1] and flood["in shared memory"] == []
+        assert flood["sent_while_in_flight"] > 0  # the peer's queue filled: some went out beside the persistent send
+    else:  # the peer shares this host: its slot holds its last announcement, and no message is sent
+        assert flood["by message"] == [] and flood["in shared memory"] == [1]
+        assert flood["sent_while_in_flight"] == 0
     assert flood["missing"] == [] and flood["sum after"] == 3.0
 
 

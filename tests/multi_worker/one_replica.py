@@ -2,8 +2,9 @@
 
 First the MPI backend's all-reduce in the shapes one replica per process takes (its own buffer sent as MPI sums
 it, float16 summed as float32, chunked calls, means); then rank 0 runs thousands of announcements ahead of rank 1,
-which does not poll meanwhile: they fill the shared-memory queue, so some go out while an earlier one is still in
-flight, and every one must still arrive, in order, with the collectives after them pairing up.
+which does not poll meanwhile. By message ($DISTRIB_MPI_ANNOUNCEMENTS=messages) they fill the transport's queue,
+so some go out while an earlier one is still in flight, and every one must still arrive, in order; in shared
+memory each overwrites the last. Either way the collectives after them must pair up.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ else:
         group.announce()
 group.barrier("the barrier after the flood", timeout=20)
 (total,) = backend.all_reduce([np.array([group.rank + 1.0])], ((0, 1),), devices, False, timeout=20)
-report["flood"] = {"sent_while_in_flight": sent_while_in_flight, "missing": list(group.missing(channel.sequence)),
+report["flood"] = {"by message": list(channel._peers), "in shared memory": list(channel._near),
+                   "sent_while_in_flight": sent_while_in_flight, "missing": list(group.missing(channel.sequence)),
                    "sum after": float(total[0])}
 if group.rank == 0:
     with open(sys.argv[1], "w") as file:
