@@ -215,6 +215,22 @@ def test_a_rank_that_raises_ends_the_job_at_once_and_every_rank_writes_its_timel
     assert not (tmp_path / "trace.json").exists()
 
 
+@pytest.mark.parametrize("announcements", ["shared-memory", "messages"])
+def test_a_rank_that_ends_early_gives_the_other_an_error_naming_it_at_once(tmp_path, announcements):
+    # rank 1's program calls sys.exit(3) before the 3rd step: rank 0 must not wait out its 600 s timeout there
+    done = mpirun("faults.py", "exit", str(tmp_path / "error.json"), "600", timeout=60,
+                  DISTRIB_MPI_ANNOUNCEMENTS=announcements)
+    assert done.returncode != 0
+    report = json.loads((tmp_path / "error.json.0").read_text())
+    assert report["type"] == "WorkerFailedError" and report["ranks"] == [1]
+    assert report["message"].startswith("all_reduce across processes cannot complete: rank 1 (pid ")
+    assert "left the job after collective #2 (its program ended: sys.exit" in report["message"]
+    assert "this rank is at collective #3 of the job's collectives" in report["message"]
+    assert report["seconds"] < 10
+    later = (tmp_path / "error.json.0.later").read_text()
+    assert later.startswith("all_reduce cannot run: this MPI job already failed.")
+
+
 def test_the_quickstart_example_runs_its_replicas_per_process(tmp_path):
     done = subprocess.run([MPIRUN, "-np", "2", sys.executable, str(EXAMPLES / "quickstart.py"), "--replicas", "1",
                            "--steps", "3", "--rows", "64"], env=mpirun_env(), capture_output=True, text=True,
@@ -283,7 +299,7 @@ def one_replica_each(request, tmp_path_factory):
 
 def test_one_replica_per_process_all_reduces_as_one_process(one_replica_each):
     _, report = one_replica_each
-    checks = {name: ok for name, ok in report.items() if name != "flood"}
+    checks = {name: ok for name, ok in report.items() if name not in ("flood", "left")}
     assert len(checks) == 16 and all(checks.values()), checks
 
 
@@ -304,6 +320,13 @@ def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each)
         assert flood["by message"] == [] and flood["in shared memory"] == [1]
         assert flood["sent_while_in_flight"] == 0
     assert flood["missing"] == [] and flood["sum after"] == 3.0
+
+
+def test_a_peer_waiting_for_a_rank_that_left_names_it_as_gone(one_replica_each):
+    _, report = one_replica_each
+    left = report["left"]
+    assert left["missing"] == [1] and left["type"] == "WorkerFailedError" and left["ranks"] == [1]
+    assert "rank 1 (pid " in left["message"] and "left the job after collective #" in left["message"]
 
 
 def test_one_replica_per_process_reduces_gathers_and_updates_variables_as_one_process(tmp_path):

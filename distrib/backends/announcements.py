@@ -25,7 +25,8 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
-from distrib.errors import DeadlineExceededError
+from distrib.backends.call_watchdog import RESTART
+from distrib.errors import DeadlineExceededError, WorkerFailedError
 from distrib.options import default_timeout
 
 _TAG = 17
@@ -108,9 +109,10 @@ class Channel:
                     late = True
                     break
             for k, receive in enumerate(self._receives):
-                if seen[k] < sequence and receive.Test():
+                if 0 <= seen[k] < sequence and receive.Test():  # negative: the peer left (see `leave`)
                     seen[k] = self._inboxes[k][0]
-                    receive.Start()
+                    if seen[k] >= 0:
+                        receive.Start()
             if (late or seen and min(seen) < sequence) and self._missing():
                 self._wait_for_peers(what, timeout)
             self.in_call = _in_call((what, self.sequence, time.monotonic(), timeout))
@@ -136,21 +138,37 @@ class Channel:
                 self.group.check_usable(what)
             self._announce()
             missing = self._missing()  # takes in what has arrived, so that nothing piles up
-            if missing and lead is not None and min(seen for _, seen in self._announced()) < self.sequence - lead:
+            if missing and lead is not None and \
+                    min(_last_announced(seen) for _, seen in self._announced()) < self.sequence - lead:
                 self._wait_for_peers(what, timeout, self.sequence - lead)
             return self.sequence
 
     def missing(self, sequence: int) -> tuple[int, ...]:
         """The peers that have not announced collective `sequence` yet (callable from any thread)."""
         if not self._lock.acquire(timeout=1.0):  # the caller's thread waits at a collective: read what it saw
-            return tuple(sorted(peer for peer, seen in self._announced() if seen < sequence))
+            return tuple(sorted(peer for peer, seen in self._announced() if _last_announced(seen) < sequence))
         try:
             return self._missing(sequence)
         finally:
             self._lock.release()
 
+    def leave(self) -> None:
+        """Tells every peer that this rank's program has ended, after its last collective: a peer that waits for a
+        later one raises WorkerFailedError naming this rank at once, instead of DeadlineExceededError at its
+        timeout. Called as the program exits normally (`sys.exit` too), before MPI_Finalize."""
+        with self._lock:
+            marker = _left_after(self.sequence)
+            if self._slot is not None:
+                self._slot[0] = marker
+            if self._peers:
+                stamp = array.array("q", [marker])
+                self._stamps.append(stamp)
+                self._sends.extend(self._board.Isend([stamp, self.group.MPI.INT64_T], dest=peer, tag=_TAG)
+                                   for peer in self._peers)
+
     def _announced(self) -> list[tuple[int, int]]:
-        """(peer, the last collective it announced as far as this rank has seen), for every peer."""
+        """(peer, what it last announced as far as this rank has seen: a collective's number, or `_left_after`'s
+        negative marker once it left), for every peer."""
         return [(peer, slot[0]) for peer, slot in zip(self._near, self._near_slots)] + list(zip(self._peers,
                                                                                                self._seen))
 
@@ -182,14 +200,16 @@ class Channel:
         """Collects the announcements that arrived (up to `sequence`, default the last announced); returns the
         peers still missing."""
         sequence = self.sequence if sequence is None else sequence
-        missing = tuple(peer for peer, slot in zip(self._near, self._near_slots) if slot[0] < sequence)
+        missing = tuple(peer for peer, slot in zip(self._near, self._near_slots)
+                        if _last_announced(slot[0]) < sequence)
         for k, receive in enumerate(self._receives):
-            while self._seen[k] < sequence:
-                if not receive.Test():
+            while _last_announced(self._seen[k]) < sequence:
+                if self._seen[k] < 0 or not receive.Test():  # left, or not there yet
                     missing += (self._peers[k],)
                     break
-                self._seen[k] = self._inboxes[k][0]  # peers announce 1, 2, 3, ... in order
-                receive.Start()
+                self._seen[k] = self._inboxes[k][0]  # peers announce 1, 2, 3, ... in order, then maybe leave
+                if self._seen[k] >= 0:
+                    receive.Start()
         return tuple(sorted(missing)) if self._near_slots and self._peers else missing
 
     def _wait_for_peers(self, what: str, timeout: float | None, sequence: int | None = None) -> None:
@@ -205,6 +225,9 @@ class Channel:
             missing = self._missing(sequence)
             if not missing:
                 return
+            if self.left(missing):
+                self.group.broken = self.left_error(what, sequence, missing)
+                raise self.group.broken
             waited = time.monotonic() - begin
             if waited > limit:
                 self.group.broken = missing_error(self, what, limit, sequence, missing)
@@ -213,6 +236,22 @@ class Channel:
                 time.sleep(NAP_SECONDS)
             elif self._yield:
                 os.sched_yield()  # the peer we wait for may need this core
+
+    def left(self, peers: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of `peers` whose program has ended (`leave`), as far as this rank has seen."""
+        return tuple(peer for peer, announced in self._announced() if peer in peers and announced < 0)
+
+    def left_error(self, what: str, sequence: int, missing: tuple[int, ...]) -> WorkerFailedError:
+        """The error of collective #`sequence`, which the peers of `missing` that left will never reach."""
+        group = self.group
+        left = [(peer, announced) for peer, announced in self._announced() if peer in missing and announced < 0]
+        ranks = tuple(peer for peer, _ in left)
+        gone = "; ".join(f"{group.describe((peer,))} left the job after collective #{_last_announced(marker)}"
+                         for peer, marker in left)
+        return WorkerFailedError(
+            f"{what} across processes cannot complete: {gone} (its program ended: sys.exit, or the end of its "
+            f"script), and this rank is at collective #{sequence} of the job's {self.name}. Every rank must make "
+            f"the same collectives; a rank that ends early stops the job. {RESTART}", ranks=ranks)
 
     def __repr__(self) -> str:
         return f"<Channel {self.name!r} rank={self.group.rank} announced={self.sequence}>"
@@ -229,6 +268,17 @@ def missing_error(channel: Channel, what: str, limit: float, sequence: int, miss
         f"collective stops the job; raise CommunicationOptions(timeout_seconds=...) if the work is just slow. "
         f"Restart the job; `--resume` continues from the last checkpoint.",
         operation=what, missing_ranks=missing, missing_replicas=group.replicas_of(missing))
+
+
+def _left_after(sequence: int) -> int:
+    """What a rank announces as it leaves after collective `sequence`: a negative number, below every collective's
+    (so the waits see it missing at once), from which `_last_announced` reads `sequence` back."""
+    return -sequence - 1
+
+
+def _last_announced(announced: int) -> int:
+    """The last collective a peer announced, from what it announced last (a number, or `_left_after`'s marker)."""
+    return announced if announced >= 0 else -announced - 1
 
 
 def _shared_slots(MPI: Any, comm: Any) -> dict[int, memoryview]:

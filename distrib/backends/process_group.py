@@ -122,8 +122,11 @@ class ProcessGroup:
 
     def missing_error(self, what: str, limit: float, sequence: int, missing: tuple[int, ...],
                       detail: str = "") -> BaseException:
-        """The DeadlineExceededError of collective #`sequence` that `missing` never reached; the group is broken."""
-        self.broken = missing_error(self.collectives, what, limit, sequence, missing, detail)
+        """The DeadlineExceededError of collective #`sequence` that `missing` never reached, or the
+        WorkerFailedError naming those of them whose program ended; the group is broken."""
+        channel = self.collectives
+        self.broken = channel.left_error(what, sequence, missing) if channel.left(missing) else \
+            missing_error(channel, what, limit, sequence, missing, detail)
         return self.broken
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
@@ -239,11 +242,16 @@ def _end_at_exit() -> None:
     (MPI_Abort), which also ends a peer that stalled. A rank whose program ended normally first waits for the
     collectives it launched asynchronously (`drains`): one that fails there, which the program never saw (a peer
     stalled or died before it), is printed as an uncaught exception would be, and the job ends the same way.
+    Otherwise it tells its peers that it left (`Channel.leave`): one still making collectives (its program does
+    more than this one's did, or this one called `sys.exit`) raises WorkerFailedError naming it at once.
     """
     for group in list(_GROUPS):
         raised = group.size > 1 and getattr(sys, "last_value", None) is not None
         if not raised and group.ended_by_launcher is None:
             _drain(group)
+            if group.broken is None:  # a peer still making collectives is told now, not at its timeout
+                for channel in group.channels:
+                    channel.leave()
         if group.broken is not None or raised:
             timeline.stop()  # the trace of a failed job is the one worth reading: this skips its atexit hook
             sys.stdout.flush()

@@ -1,7 +1,7 @@
 """Run under `mpirun -np 2`: rank 1 fails at the 3rd step, and rank 0 must get a typed error naming rank 1.
 
 argv[1] is the fault: "kill" (SIGKILL before the step's collective), "stall" (sleep instead of reaching it),
-"raise" (an exception the program does not catch), "kill-mid" (SIGKILL while both ranks are inside the MPI call
+"raise" (an exception the program does not catch), "exit" (`sys.exit(3)`: the program ends early), "kill-mid" (SIGKILL while both ranks are inside the MPI call
 of a 32 MB all-reduce) or "stop-mid" (SIGSTOP there). argv[2] is the JSON file rank 0 writes the error it caught
 to; argv[3] the collective timeout in seconds.
 Inside an MPI call no error can be caught: rank 0's watchdog prints it and ends the process.
@@ -49,6 +49,8 @@ try:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif mode == "raise":
                 raise ValueError("a bug in rank 1's program")
+            elif mode == "exit":
+                sys.exit(3)
             elif mode.endswith("-mid"):
                 signum = signal.SIGKILL if mode == "kill-mid" else signal.SIGSTOP
                 threading.Thread(target=signal_inside_the_next_call, args=(signum,), daemon=True).start()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
-import traceback
 
 import numpy as np
 from mpi4py import MPI

@@ -4,7 +4,8 @@ First the MPI backend's all-reduce in the shapes one replica per process takes (
 it, float16 summed as float32, chunked calls, means); then rank 0 runs thousands of announcements ahead of rank 1,
 which does not poll meanwhile. By message ($DISTRIB_MPI_ANNOUNCEMENTS=messages) they fill the transport's queue,
 so some go out while an earlier one is still in flight, and every one must still arrive, in order; in shared
-memory each overwrites the last. Either way the collectives after them must pair up.
+memory each overwrites the last. Either way the collectives after them must pair up. Last, rank 1 leaves the job
+and rank 0, about to wait for it, must learn that it left.
 """
 
 from __future__ import annotations
@@ -47,6 +48,19 @@ group.barrier("the barrier after the flood", timeout=20)
 report["flood"] = {"by message": list(channel._peers), "in shared memory": list(channel._near),
                    "sent_while_in_flight": sent_while_in_flight, "missing": list(group.missing(channel.sequence)),
                    "sum after": float(total[0])}
+# rank 1 leaves (as its program's end does): rank 0, waiting for a next collective, is told so, and the error it
+# raises names rank 1 as gone rather than late
+if group.rank == 1:
+    for each in group.channels:
+        each.leave()
+else:
+    until = time.monotonic() + 10
+    while not channel.left(group.missing(channel.sequence + 1)) and time.monotonic() < until:
+        time.sleep(0.001)
+    error = group.missing_error("all_reduce", 5.0, channel.sequence + 1, group.missing(channel.sequence + 1))
+    group.broken = None  # this job goes on to end normally
+    report["left"] = {"missing": list(group.missing(channel.sequence + 1)), "type": type(error).__name__,
+                      "ranks": list(error.ranks), "message": str(error)}
 if group.rank == 0:
     with open(sys.argv[1], "w") as file:
         json.dump(report, file)
