@@ -320,6 +320,7 @@ def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each)
         assert flood["by message"] == [] and flood["in shared memory"] == [1]
         assert flood["sent_while_in_flight"] == 0
     assert flood["missing"] == [] and flood["sum after"] == 3.0
+    assert flood["boards left behind"] == []  # the slots' file is removed once every rank has mapped it
 
 
 def test_a_peer_waiting_for_a_rank_that_left_names_it_as_gone(one_replica_each):

@@ -3,13 +3,13 @@
 Before a collective a rank announces its number to every peer, then polls until every peer has announced it
 too; only then does it make the blocking, fast MPI call, which every peer is about to make as well. A peer that
 never announces it within the timeout is named in a DeadlineExceededError. Peers on the same host read the number
-from a slot in memory they share (an MPI shared-memory window): one store to announce, one load per peer to
-check, no MPI call. Peers on other hosts get it as an 8-byte message (restarting one persistent send per peer,
-polling pre-posted persistent receives). At 1 MB across two processes here, the messages cost about 8 µs per
-collective against 2 µs for the slots. `$DISTRIB_MPI_ANNOUNCEMENTS=messages` sends messages to every peer, for
-an MPI without shared-memory windows. (Open MPI's non-blocking collectives, which could be polled directly,
-moved a 1 MB buffer 3-5 times slower than its blocking ones in back-to-back loops, and 25-30 % slower timed call
-by call after a barrier: either way more than an announcement costs.)
+from a slot in memory they share (a file they all map): one store to announce, one load per peer to check, no
+MPI call. Peers on other hosts get it as an 8-byte message (restarting one persistent send per peer, polling
+pre-posted persistent receives). At 1 MB across two processes here, messages cost about 8 µs per collective,
+slots 2 µs. `$DISTRIB_MPI_ANNOUNCEMENTS=messages` sends messages to every peer. (Open MPI's non-blocking
+collectives, which could be polled directly, moved a 1 MB buffer 3-5 times slower than its blocking ones in
+back-to-back loops, and 25-30 % slower timed call by call after a barrier: either way more than an announcement
+costs.)
 
 The wait spins, as MPI's own blocking calls do: yielding the core to whatever else runs there (the peer is on
 another core) delays the collective by a scheduler time slice when the machine is busy. It yields only when a
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import array
 import functools
+import mmap
 import os
+import tempfile
 import threading
 import time
 from typing import Any, Callable, NamedTuple
@@ -282,24 +284,51 @@ def _last_announced(announced: int) -> int:
 
 
 def _shared_slots(MPI: Any, comm: Any) -> dict[int, memoryview]:
-    """{rank of `comm`: its announcement slot} for the ranks on this host, each an 8-byte integer in memory they
-    all share, starting at 0; {} where MPI cannot share memory between them (then every peer gets messages).
-    Collective over `comm`."""
+    """{rank of `comm`: its announcement slot} for the ranks on this host, each an 8-byte integer in a file they
+    all map (in /dev/shm where there is one), starting at 0; {} where this rank is alone on its host or the file
+    cannot be shared (then every peer gets messages). Collective over `comm`.
+
+    A mapped file rather than an MPI shared-memory window: creating a window makes some Open MPI 5 builds print
+    errors from RMA components that do not apply (osc/ucx without UCX hardware), and only the memory is needed.
+    The file is removed as soon as every rank has mapped it, so nothing is left behind, even by a killed job.
+    """
     host = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
-        window = MPI.Win.Allocate_shared(_SLOT_BYTES, 1, comm=host)
-    except (MPI.Exception, NotImplementedError):
+        size = host.Get_size()
+        if size == 1:
+            return {}
+        path = host.bcast(_new_board(size * _SLOT_BYTES) if host.Get_rank() == 0 else None, root=0)
+        board = None
+        if path is not None:
+            try:
+                with open(path, "r+b") as file:
+                    board = mmap.mmap(file.fileno(), size * _SLOT_BYTES)
+            except OSError:
+                pass
+        everywhere = host.allreduce(board is not None, op=MPI.LAND)
+        if path is not None and host.Get_rank() == 0:
+            os.unlink(path)
+        if not everywhere:
+            return {}
+        ranks = host.Get_group().Translate_ranks(list(range(size)), comm.Get_group())
+        memory = memoryview(board)  # keeps the mapping for the life of the process
+        return {rank: memory[k * _SLOT_BYTES:k * _SLOT_BYTES + 8].cast("q") for k, rank in enumerate(ranks)}
+    finally:
         host.Free()
-        return {}
-    ranks = host.Get_group().Translate_ranks(list(range(host.Get_size())), comm.Get_group())
-    slots = {}
-    for local, rank in enumerate(ranks):
-        memory, _ = window.Shared_query(local)
-        slots[rank] = memoryview(memory).cast("B")[:8].cast("q")
-    slots[comm.Get_rank()][0] = 0  # MPI does not promise zeroed memory
-    host.Barrier()  # every slot zeroed before any rank reads one
-    _WINDOWS.append((window, host))  # kept for the life of the process, as the channel's communicators are
-    return slots
 
 
-_WINDOWS: list[tuple[Any, Any]] = []
+def _new_board(size: int) -> str | None:
+    """The path of a new zero-filled file of `size` bytes for this host's slots, or None where none can be made."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # /dev/shm: never on disk
+    try:
+        descriptor, path = tempfile.mkstemp(prefix="distrib-announcements-", dir=directory)
+    except OSError:
+        return None
+    try:
+        os.ftruncate(descriptor, size)
+    except OSError:
+        os.unlink(path)
+        return None
+    finally:
+        os.close(descriptor)
+    return path

@@ -10,8 +10,11 @@ and rank 0, about to wait for it, must learn that it left.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -46,6 +49,8 @@ else:
 group.barrier("the barrier after the flood", timeout=20)
 (total,) = backend.all_reduce([np.array([group.rank + 1.0])], ((0, 1),), devices, False, timeout=20)
 report["flood"] = {"by message": list(channel._peers), "in shared memory": list(channel._near),
+                   "boards left behind": glob.glob(os.path.join(tempfile.gettempdir(), "distrib-announcements-*")) +
+                   glob.glob("/dev/shm/distrib-announcements-*"),
                    "sent_while_in_flight": sent_while_in_flight, "missing": list(group.missing(channel.sequence)),
                    "sum after": float(total[0])}
 # rank 1 leaves (as its program's end does): rank 0, waiting for a next collective, is told so, and the error it
