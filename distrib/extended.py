@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import itertools
 import math
 import operator
 import threading
@@ -139,13 +140,22 @@ class StrategyExtended(abc.ABC):
         if isinstance(value_destination_pairs, (str, bytes)) or not isinstance(value_destination_pairs,
                                                                                 (list, tuple)):
             raise TypeError("value_destination_pairs must be a list of (value, destinations) pairs.")
-        pairs = []
-        for k, pair in enumerate(value_destination_pairs):
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise TypeError(f"value_destination_pairs[{k}] must be a (value, destinations) pair. Received: "
-                                f"{pair!r}.")
-            pairs.append((pair[0], self._destinations(pair[1])))
-        return self._batch_reduce_to(op, pairs, options)
+        if not value_destination_pairs:
+            return []
+        if not _PAIR_TYPES.issuperset(map(type, value_destination_pairs)) or \
+                set(map(len, value_destination_pairs)) != {2}:  # checked in bulk: a step batches every gradient
+            for k, pair in enumerate(value_destination_pairs):
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise TypeError(f"value_destination_pairs[{k}] must be a (value, destinations) pair. "
+                                    f"Received: {pair!r}.")
+        values, destinations = zip(*value_destination_pairs)
+        devices = self._devices
+        if set(map(type, destinations)) == _PER_REPLICA and set(map(len, map(_VALUES, destinations))) == \
+                {len(devices)}:  # each onto a PerReplica of this strategy: `resolve_destinations`' first case
+            resolved = [devices] * len(destinations)
+        else:
+            resolved = [resolve_destinations(d, devices) for d in destinations]
+        return self._batch_reduce_to(op, list(zip(values, resolved)), options)
 
     def _batch_reduce_to(self, op: ReduceOp, pairs: Sequence[tuple[Any, tuple[str, ...]]],
                          options: CommunicationOptions | None) -> list:
@@ -157,6 +167,10 @@ class StrategyExtended(abc.ABC):
                 reduced = self._cross_device_ops.batch_all_reduce(backend, op, list(map(list, zip(arrays))),
                                                                   devices, options)
                 return [Mirrored(list(map(_FIRST, reduced)))]
+        per_replica = self._placed_batch(pairs) if len(pairs) > 1 else None
+        if per_replica is not None:  # a step's gradients: every value in place, checked in bulk, no loop over them
+            reduced = self._cross_device_ops.batch_all_reduce(backend, op, per_replica, devices, options)
+            return Mirrored._wrap_all(list(zip(*reduced)))
         results: list[Any] = [None] * len(pairs)
         # (ids, per-value arrays) reduced in one batch: onto the values' own devices, and onto the host
         all_reduce_batch: tuple[list, list] = ([], [])
@@ -201,6 +215,30 @@ class StrategyExtended(abc.ABC):
             for k, array in zip(ids, self._cross_device_ops.batch_reduce_to_host(backend, op, per_replica, devices)):
                 results[k] = Mirrored([array])
         return results
+
+    def _placed_batch(self, pairs: Sequence[tuple[Any, tuple[str, ...]]]) -> list[list[Any]] | None:
+        """Every value's components by replica (`per_replica[r][v]`) when each pair is a PerReplica of the backend's
+        own arrays already on the replicas' devices, reduced onto those devices, of a dtype reductions take as it
+        is, one shape and dtype per value on every replica; else None (the general route then checks each pair and
+        names what is wrong). The checks run over columns in C rather than per value in Python."""
+        values, destinations = zip(*pairs)
+        devices = self._devices
+        if destinations.count(devices) != len(destinations) or set(map(type, values)) != _PER_REPLICA:
+            return None
+        components = list(map(_VALUES, values))
+        arrays = list(itertools.chain.from_iterable(components))  # replica by replica, value after value
+        if len(arrays) != len(devices) * len(values) or set(map(len, components)) != {len(devices)} or \
+                not self._placed(arrays):
+            return None
+        per_replica = list(map(list, zip(*components)))
+        dtypes = list(map(_DTYPE, per_replica[0]))
+        if not _REDUCIBLE.issuperset(dtypes):
+            return None
+        shapes = list(map(_SHAPE, per_replica[0]))
+        for column in per_replica[1:]:
+            if list(map(_SHAPE, column)) != shapes or list(map(_DTYPE, column)) != dtypes:
+                return None
+        return per_replica
 
     def _placed_components(self, value: Any, position: int) -> tuple | None:
         """The components of `value`, checked, when it is a PerReplica of the backend's own arrays on the replicas'
@@ -406,5 +444,8 @@ def _never(arrays: Sequence[Any]) -> bool:
 
 
 _FIRST = operator.itemgetter(0)
+_VALUES, _SHAPE, _DTYPE = (operator.attrgetter(name) for name in ("_values", "shape", "dtype"))
+_PAIR_TYPES = frozenset((tuple, list))
+_PER_REPLICA = {PerReplica}
 _REDUCIBLE = {np.dtype(name) for name in ("float16", "float32", "float64", "complex64", "complex128", "int8",
                                            "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import operator
 from typing import Any, Callable, Sequence
@@ -92,6 +93,14 @@ class DistributedValues:
         instance = object.__new__(cls)
         instance._values = values
         return instance
+
+    @classmethod
+    def _wrap_all(cls, tuples: Sequence[tuple]) -> list["DistributedValues"]:
+        """`_wrap` of each tuple, for a batch of results: the instances made in one C-level pass, then filled."""
+        instances = list(map(object.__new__, itertools.repeat(cls, len(tuples))))
+        for instance, values in zip(instances, tuples):
+            instance._values = values
+        return instances
 
     @property
     def values(self) -> tuple:

@@ -69,6 +69,43 @@ def test_batch_reduce_to_needs_a_list_of_pairs(strategy, blocks):
         strategy.extended.batch_reduce_to("SUM", [(blocks, blocks), (blocks,)])
 
 
+def batch_of_gradients(strategy, count=40):
+    """`count` PerReplica values of mixed shapes and dtypes, as a model's gradients are."""
+    kinds = [((3, 2), np.float32), ((5,), np.int64), ((), np.float64), ((2, 2), np.complex64), ((7,), np.float16)]
+    return [per_replica(strategy, lambda r, k=k, shape=kinds[k % 5][0], dtype=kinds[k % 5][1]:
+                        np.full(shape, k + r + 1, dtype)) for k in range(count)]
+
+
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_batch_reduce_to_of_a_steps_gradients_equals_reducing_each_alone(strategy, op):
+    values = batch_of_gradients(strategy)
+    variables = [strategy.extended._create_variable(np.zeros(v.values[0].shape, v.values[0].dtype)) for v in values]
+    own = strategy.extended.worker_devices
+    assert strategy.extended._placed_batch([(v, own) for v in values]) is not None  # checked in bulk, not one by one
+    for destinations in (values, variables):  # onto the values themselves, or onto variables (as optimizers do)
+        out = strategy.extended.batch_reduce_to(op, list(zip(values, destinations)))
+        assert len(out) == len(values) and all(type(m) is Mirrored and len(m.values) == 4 for m in out)
+        for k, (value, mirrored) in enumerate(zip(values, out)):
+            alone = strategy.extended.reduce_to(op, value, destinations=value)
+            for got, expected in zip(mirrored.values, alone.values):
+                assert got.dtype == expected.dtype and got.shape == expected.shape, k
+                np.testing.assert_array_equal(got, expected)
+
+
+def test_a_batch_with_one_value_wrong_names_it(strategy):
+    values = batch_of_gradients(strategy, 12)
+    values[7] = PerReplica([np.ones(3, np.float32)] * 2 + [np.ones(4, np.float32)] * 2)  # replica 2 differs
+    with pytest.raises(distrib.errors.CollectiveMismatchError, match="replica 2, value 7"):
+        strategy.extended.batch_reduce_to("SUM", [(v, v) for v in values])
+    values[7] = per_replica(strategy, lambda r: np.array([True, False]))
+    with pytest.raises(TypeError, match="Reductions need numeric values. Received: dtype bool at value 7"):
+        strategy.extended.batch_reduce_to("SUM", [(v, v) for v in values])
+    values[7] = PerReplica([[float(r)] for r in range(4)])  # lists: placed on the way, as a value alone is
+    out = strategy.extended.batch_reduce_to("SUM", [(v, v) for v in values])
+    assert out[7].values[2].tolist() == [6.0]
+    assert out[8].values[0].tolist() == [[42, 42], [42, 42]]  # complex64 9 + 10 + 11 + 12, beside it
+
+
 def test_broadcast_to_copies_an_array_to_every_device(strategy, blocks):
     source = np.arange(3.0)
     out = strategy.extended.broadcast_to(source, destinations=blocks)

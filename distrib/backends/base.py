@@ -159,9 +159,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def placed_check(self, devices: Sequence[str]) -> Callable[[Sequence[Any]], bool] | None:
-        """For hot paths: a test of whether arrays, one per device of `devices` in order, are this backend's own
-        arrays on those devices already (`to_device` would return each unchanged); None where there is no such test.
-        Not abstract: a backend without one takes the general route."""
+        """For hot paths: a test of whether arrays, one per device of `devices` in order (or several such groups one
+        after another: `arrays[i]` on `devices[i % len(devices)]`), are this backend's own arrays on those devices
+        already (`to_device` would return each unchanged); None where there is no such test. Not abstract: a
+        backend without one takes the general route."""
         return None
 
     def synchronize(self) -> None:

@@ -182,8 +182,8 @@ def test_batch_reduce_to_of_arrays_already_on_their_gpus_equals_the_placing_rout
             lambda ctx, k=k: xp.arange(6, dtype=np.float32) * (ctx.replica_id_in_sync_group + k)) for k in range(3)]
         hosted = strategy.experimental_distribute_values_from_function(  # host arrays: placed on the way
             lambda ctx: np.full(4, ctx.replica_id_in_sync_group + 1, np.int32))
-        pairs = [(v, v) for v in (*placed, hosted)]
-        out = [strategy.extended.batch_reduce_to(op, pairs) for op in ("SUM", "MEAN")]
+        batches = [[(v, v) for v in placed], [(v, v) for v in (*placed, hosted)]]  # all in place: checked in bulk
+        out = [strategy.extended.batch_reduce_to(op, pairs) for pairs in batches for op in ("SUM", "MEAN")]
         results[kind] = [strategy.extended.backend.to_host(a) for reduced in out for m in reduced
                          for a in strategy.experimental_local_results(m)]
         strategy.close()
