@@ -38,6 +38,7 @@ _CHECK_SENDS_EVERY = 32
 QUICK_POLLS = 64  # polls made before the wait looks at the clock: a peer in step announces within microseconds
 SPIN_SECONDS = 0.05  # a late peer is polled without pause this long, then every NAP_SECONDS
 NAP_SECONDS = 0.0005
+LEFT_CHECK_SECONDS = 0.001  # a wait looks for peers that left once it has lasted this long
 
 
 class InCall(NamedTuple):
@@ -227,10 +228,10 @@ class Channel:
             missing = self._missing(sequence)
             if not missing:
                 return
-            if self.left(missing):
+            waited = time.monotonic() - begin
+            if waited > LEFT_CHECK_SECONDS and self.left(missing):  # not on every poll: a peer in step comes soon
                 self.group.broken = self.left_error(what, sequence, missing)
                 raise self.group.broken
-            waited = time.monotonic() - begin
             if waited > limit:
                 self.group.broken = missing_error(self, what, limit, sequence, missing)
                 raise self.group.broken
