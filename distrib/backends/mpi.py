@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from distrib.backends.cpu import CpuBackend, _shared as shared_views
-from distrib.backends.packed import FLOAT_PREFIXES
+from distrib.backends.packed import FLOAT_PREFIXES, unpack_into
 from distrib.backends.process_group import ProcessGroup
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, AllReducePlan, dtype_name
@@ -175,14 +175,9 @@ class MpiBackend(CpuBackend):
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
             if float_mean:
                 np.true_divide(total, count, out=total)
-            total.setflags(write=False)  # one result for every local replica: read-only, as TensorFlow's tensors
-            members = self.unpack(total, buffer)  # once; each replica gets views of its own (as unpack_all gives)
-            for out in results:
-                arrays = members if len(results) == 1 else [member.view() for member in members]
-                if plan.mean and not float_mean:  # integer MEAN: SUM, then true division, as TensorFlow does
-                    arrays = [np.asarray(a / count) for a in arrays]
-                for member, array in zip(buffer.members, arrays):
-                    out[member.index] = array
+            # one result for every local replica, read-only as TensorFlow's tensors are: its members are copied
+            # out once, into copies reused from step to step, and each replica gets views of its own
+            unpack_into(results, self, plan, buffer, shared_views(total, len(devices)), devices, count)
         return results
 
     def _refuse_nccl(self, devices) -> None:

@@ -55,14 +55,15 @@ def execute_pack_by_pack(backend: "Backend", plan: AllReducePlan, per_device: Se
 
 
 def unpack_into(results: list[list[Any]], backend: "Backend", plan: AllReducePlan, buffer: Buffer,
-                reduced: Sequence[Any], devices: Sequence[str]) -> None:
+                reduced: Sequence[Any], devices: Sequence[str], replicas: int | None = None) -> None:
     """Writes the members of each device's reduced flat buffer into `results[device][value index]`; an integer
-    MEAN is divided here, after the sum (true division, as TensorFlow does)."""
+    MEAN is divided here, after the sum (true division, as TensorFlow does), by `replicas` (default: one per
+    device; across processes, every process's)."""
     integer_mean = plan.mean and not buffer.dtype.startswith(FLOAT_PREFIXES)
     for out, arrays, device in zip(results, backend.unpack_all(reduced, buffer), devices):
         if integer_mean:
             with backend.device_scope(device):
-                arrays = [backend.xp.asarray(a / len(devices)) for a in arrays]
+                arrays = [backend.xp.asarray(a / (replicas or len(devices))) for a in arrays]
         for member, array in zip(buffer.members, arrays):
             out[member.index] = array
 
