@@ -218,19 +218,27 @@ class StrategyExtended(abc.ABC):
 
     def _placed_batch(self, pairs: Sequence[tuple[Any, tuple[str, ...]]]) -> list[list[Any]] | None:
         """Every value's components by replica (`per_replica[r][v]`) when each pair is a PerReplica of the backend's
-        own arrays already on the replicas' devices, reduced onto those devices, of a dtype reductions take as it
+        own arrays already on the replicas' devices (or such an array, where plain values are a process's one
+        replica's), reduced onto those devices, of a dtype reductions take as it
         is, one shape and dtype per value on every replica; else None (the general route then checks each pair and
         names what is wrong). The checks run over columns in C rather than per value in Python."""
         values, destinations = zip(*pairs)
         devices = self._devices
-        if destinations.count(devices) != len(destinations) or set(map(type, values)) != _PER_REPLICA:
+        if destinations.count(devices) != len(destinations):
             return None
-        components = list(map(_VALUES, values))
-        arrays = list(itertools.chain.from_iterable(components))  # replica by replica, value after value
-        if len(arrays) != len(devices) * len(values) or set(map(len, components)) != {len(devices)} or \
-                not self._placed(arrays):
+        if set(map(type, values)) == _PER_REPLICA:
+            components = list(map(_VALUES, values))
+            arrays = list(itertools.chain.from_iterable(components))  # replica by replica, value after value
+            if len(arrays) != len(devices) * len(values) or set(map(len, components)) != {len(devices)}:
+                return None
+            per_replica = list(map(list, zip(*components)))
+        elif self._plain_values_are_components and len(devices) == 1:  # one replica per process: `run` returns
+            arrays = list(values)  # plain arrays, this process's components (see `_local_components`)
+            per_replica = [arrays]
+        else:
             return None
-        per_replica = list(map(list, zip(*components)))
+        if not self._placed(arrays):
+            return None
         dtypes = list(map(_DTYPE, per_replica[0]))
         if not _REDUCIBLE.issuperset(dtypes):
             return None
@@ -250,6 +258,8 @@ class StrategyExtended(abc.ABC):
                 _check_reduce_inputs(arrays, position)
             return arrays
         return None
+
+    _plain_values_are_components = False  # a plain value to reduce is one replica's (multi-worker, one each)
 
     def _local_components(self, value: Any) -> tuple | None:
         """This process's per-replica components of a value to reduce; None for a value that is not distributed."""

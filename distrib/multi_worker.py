@@ -32,7 +32,7 @@ class MultiWorkerExtended(MirroredExtended):
                  execution: str | None = None):
         self._group = backend.group
         self._first_local_replica = self._group.first_replica
-        self._one_replica_each = set(self._group.replica_counts) == {1}
+        self._one_replica_each = self._plain_values_are_components = set(self._group.replica_counts) == {1}
         super().__init__(container_strategy, backend, backend.default_devices(), CollectiveAllReduce(),
                          communication_options, execution)
 

@@ -307,7 +307,7 @@ def test_one_replica_fast_paths_give_the_general_routes_results(tmp_path):
     done = mpirun("one_replica_fast_paths.py", str(tmp_path / "report.json"), replicas=1)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report) == 76 and all(report.values()), [name for name, ok in report.items() if not ok]
+    assert len(report) == 78 and all(report.values()), [name for name, ok in report.items() if not ok]
 
 
 def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each):

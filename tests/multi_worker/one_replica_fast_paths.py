@@ -1,5 +1,6 @@
 """Run under `mpirun -np 2` with one emulated replica per process; rank 0 writes to the JSON file argv[1] whether each
-one-replica fast path (reduce_to of one array, all_reduce of one value in a run) gave the general route's result."""
+one-replica fast path (reduce_to of one array, all_reduce of one value in a run, batch_reduce_to of plain arrays)
+gave the general route's result."""
 
 from __future__ import annotations
 
@@ -48,6 +49,18 @@ for dtype in ("float32", "float64", "int32", "float16"):
 
             fast, general = strategy.run(step, args=(per_replica,))
             report[f"run all_reduce {case}"] = same(fast, general)
+# a step's gradients as `run` returns them with one replica per process, plain arrays, reduced onto variables in
+# one batch_reduce_to: checked in bulk, and the same as value by value (the general route)
+plain = [(np.arange(6).reshape(2, 3) * (rank + 1) + k).astype(dtype)
+         for k, dtype in enumerate(("float32", "int32", "float64", "float16") * 3)]
+variables = [extended._create_variable(np.zeros_like(array)) for array in plain]
+for op in ("SUM", "MEAN"):
+    bulk = extended.batch_reduce_to(op, list(zip(plain, variables)))
+    extended._placed_batch = lambda pairs: None  # this instance only: the general route
+    general = extended.batch_reduce_to(op, list(zip(plain, variables)))
+    del extended._placed_batch
+    report[f"batch_reduce_to {op} of plain arrays"] = len(bulk) == len(general) == len(plain) and all(
+        type(b) is type(g) is distrib.Mirrored and same(b.values[0], g.values[0]) for b, g in zip(bulk, general))
 # plain Python numbers, and the errors, are the general route's too
 report["run all_reduce of a float"] = strategy.run(
     lambda: distrib.get_replica_context().all_reduce("SUM", 1.5)) == 3.0
