@@ -267,7 +267,7 @@ def test_ctrl_c_at_mpirun_ends_every_rank_with_an_error_that_says_so():
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert process.returncode != 0
+    assert process.returncode != 0, printed
     if OPEN_MPI_5:  # its mpirun discards what the ranks print after the Ctrl-C (README): only the job's end shows
         return
     errors = [line for line in printed.splitlines() if line.startswith("distrib.errors.WorkerFailedError")]
