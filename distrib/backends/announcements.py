@@ -99,7 +99,7 @@ class Channel:
 
         Raises:
           DeadlineExceededError: naming the ranks that never announced it within `timeout` seconds.
-          WorkerFailedError: the job already failed.
+          WorkerFailedError: the job already failed, or a peer's program ended before it (naming the peer).
         """
         with self._lock:
             if self.group.broken is not None:
@@ -134,7 +134,7 @@ class Channel:
 
         Raises:
           DeadlineExceededError: naming the ranks that had not announced that earlier collective within `timeout`.
-          WorkerFailedError: the job already failed.
+          WorkerFailedError: the job already failed, or a peer's program ended before that collective.
         """
         with self._lock:
             if self.group.broken is not None:
