@@ -219,9 +219,9 @@ class StrategyExtended(abc.ABC):
     def _placed_batch(self, pairs: Sequence[tuple[Any, tuple[str, ...]]]) -> list[list[Any]] | None:
         """Every value's components by replica (`per_replica[r][v]`) when each pair is a PerReplica of the backend's
         own arrays already on the replicas' devices (or such an array, where plain values are a process's one
-        replica's), reduced onto those devices, of a dtype reductions take as it
-        is, one shape and dtype per value on every replica; else None (the general route then checks each pair and
-        names what is wrong). The checks run over columns in C rather than per value in Python."""
+        replica's), reduced onto those devices, of a dtype reductions take as it is, one shape and dtype per value
+        on every replica; else None (the general route then checks each pair and names what is wrong). The checks
+        run over columns in C rather than per value in Python."""
         values, destinations = zip(*pairs)
         devices = self._devices
         if destinations.count(devices) != len(destinations):

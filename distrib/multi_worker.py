@@ -32,7 +32,7 @@ class MultiWorkerExtended(MirroredExtended):
                  execution: str | None = None):
         self._group = backend.group
         self._first_local_replica = self._group.first_replica
-        self._one_replica_each = self._plain_values_are_components = set(self._group.replica_counts) == {1}
+        self._plain_values_are_components = set(self._group.replica_counts) == {1}  # one replica each
         super().__init__(container_strategy, backend, backend.default_devices(), CollectiveAllReduce(),
                          communication_options, execution)
 
@@ -80,7 +80,7 @@ class MultiWorkerExtended(MirroredExtended):
         # Only where every process has one replica: the choice must be the same on every process, or one would
         # wait in a collective that another never makes.
         components = local_components(value)
-        if components is None and self._one_replica_each:
+        if components is None and self._plain_values_are_components:
             return (value,)
         return components
 
