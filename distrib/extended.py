@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import itertools
 import math
 import operator
 import threading
@@ -19,19 +18,16 @@ from distrib.cross_device_ops import CrossDeviceOps
 from distrib.destinations import resolve_destinations
 from distrib.devices import HOST
 from distrib.distributed_variables import DistributedVariable, MirroredVariable, create_distributed_variable
-from distrib.errors import CollectiveMismatchError, ContextError
+from distrib.errors import ContextError
 from distrib.input import InputWorkers
 from distrib.interrupts import deferred_interrupts
 from distrib.options import CommunicationOptions, ReduceOp, RunOptions
-from distrib.replica_context import normalize_axes, reducible
+from distrib.reduce_inputs import (PER_REPLICA, REDUCIBLE, check_reduce_inputs, component_array, never_placed,
+                                   placed_batch)
+from distrib.replica_context import normalize_axes
 from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_scalar, local_components, regroup,
                             register_leaf_type, select_replicas)
 from distrib.variables import Variable, VariableAggregation, VariableSynchronization, update_context
-
-
-def _component_array(component: Any) -> Any:
-    """A variable component's current value; anything else as it is."""
-    return component.read_value() if isinstance(component, Variable) else component
 
 
 class StrategyExtended(abc.ABC):
@@ -57,7 +53,7 @@ class StrategyExtended(abc.ABC):
         self._cross_device_ops = cross_device_ops
         self._options = communication_options
         self._host_arrays = backend.xp is np  # emulated devices: an array is on every device already
-        self._placed = backend.placed_check(self._devices) or _never  # values that need no placement
+        self._placed = backend.placed_check(self._devices) or never_placed  # values that need no placement
         self._colocation = threading.local()  # .variable: the one colocate_vars_with is in effect for
 
     @property
@@ -150,7 +146,7 @@ class StrategyExtended(abc.ABC):
                                     f"Received: {pair!r}.")
         values, destinations = zip(*value_destination_pairs)
         devices = self._devices
-        if set(map(type, destinations)) == _PER_REPLICA and set(map(len, map(_VALUES, destinations))) == \
+        if set(map(type, destinations)) == PER_REPLICA and set(map(len, map(_VALUES, destinations))) == \
                 {len(devices)}:  # each onto a PerReplica of this strategy: `resolve_destinations`' first case
             resolved = [devices] * len(destinations)
         else:
@@ -195,8 +191,8 @@ class StrategyExtended(abc.ABC):
                 raise ValueError(f"reduce_to needs one component per replica ({len(devices)}). Received: "
                                  f"{len(components)}.")
             else:
-                arrays = [backend.to_device(_component_array(c), d) for c, d in zip(components, devices)]
-                _check_reduce_inputs(arrays, k)
+                arrays = [backend.to_device(component_array(c), d) for c, d in zip(components, devices)]
+                check_reduce_inputs(arrays, k)
                 if batch is not None:
                     batch[0].append(k)
                     batch[1].append(arrays)
@@ -217,36 +213,9 @@ class StrategyExtended(abc.ABC):
         return results
 
     def _placed_batch(self, pairs: Sequence[tuple[Any, tuple[str, ...]]]) -> list[list[Any]] | None:
-        """Every value's components by replica (`per_replica[r][v]`) when each pair is a PerReplica of the backend's
-        own arrays already on the replicas' devices (or such an array, where plain values are a process's one
-        replica's), reduced onto those devices, of a dtype reductions take as it is, one shape and dtype per value
-        on every replica; else None (the general route then checks each pair and names what is wrong). The checks
-        run over columns in C rather than per value in Python."""
+        """`placed_batch` of these (value, resolved destinations) pairs on this strategy's devices."""
         values, destinations = zip(*pairs)
-        devices = self._devices
-        if destinations.count(devices) != len(destinations):
-            return None
-        if set(map(type, values)) == _PER_REPLICA:
-            components = list(map(_VALUES, values))
-            arrays = list(itertools.chain.from_iterable(components))  # replica by replica, value after value
-            if len(arrays) != len(devices) * len(values) or set(map(len, components)) != {len(devices)}:
-                return None
-            per_replica = list(map(list, zip(*components)))
-        elif self._plain_values_are_components and len(devices) == 1:  # one replica per process: `run` returns
-            arrays = list(values)  # plain arrays, this process's components (see `_local_components`)
-            per_replica = [arrays]
-        else:
-            return None
-        if not self._placed(arrays):
-            return None
-        dtypes = list(map(_DTYPE, per_replica[0]))
-        if not _REDUCIBLE.issuperset(dtypes):
-            return None
-        shapes = list(map(_SHAPE, per_replica[0]))
-        for column in per_replica[1:]:
-            if list(map(_SHAPE, column)) != shapes or list(map(_DTYPE, column)) != dtypes:
-                return None
-        return per_replica
+        return placed_batch(values, destinations, self._devices, self._placed, self._plain_values_are_components)
 
     def _placed_components(self, value: Any, position: int) -> tuple | None:
         """The components of `value`, checked, when it is a PerReplica of the backend's own arrays on the replicas'
@@ -254,8 +223,8 @@ class StrategyExtended(abc.ABC):
         route, which places each component."""
         if type(value) is PerReplica and len(value._values) == len(self._devices) and self._placed(value._values):
             arrays = value._values
-            if len(arrays) > 1 or arrays[0].dtype not in _REDUCIBLE:  # else nothing to check
-                _check_reduce_inputs(arrays, position)
+            if len(arrays) > 1 or arrays[0].dtype not in REDUCIBLE:  # else nothing to check
+                check_reduce_inputs(arrays, position)
             return arrays
         return None
 
@@ -392,7 +361,7 @@ class StrategyExtended(abc.ABC):
                 with backend.device_scope(device):  # each replica's partial sum on its own device and stream
                     partial.append(backend.xp.sum(array, axis=axes,
                                                   dtype=array.dtype if array.dtype.kind != "b" else None))
-            _check_reduce_inputs(partial, k)
+            check_reduce_inputs(partial, k)
             sums.append(partial)
             counts.append([math.prod(a.shape[i] for i in axes) for a in arrays])
         if not sums:
@@ -437,25 +406,6 @@ class StrategyExtended(abc.ABC):
         """Releases what the strategy holds (threads); nothing by default."""
 
 
-def _check_reduce_inputs(arrays: Sequence[Any], position: int) -> None:
-    first = arrays[0]
-    if first.dtype not in _REDUCIBLE and not reducible(first.dtype):
-        raise TypeError(f"Reductions need numeric values. Received: dtype {first.dtype} at value {position}.")
-    for replica_id, array in enumerate(arrays[1:], start=1):
-        if array.shape != first.shape or array.dtype != first.dtype:
-            raise CollectiveMismatchError(
-                f"reduce_to needs the same shape and dtype on every replica. Received: replica {replica_id}, value "
-                f"{position}, {array.dtype}{list(array.shape)} vs {first.dtype}{list(first.shape)}.")
-
-
-def _never(arrays: Sequence[Any]) -> bool:
-    """The placement test of a backend that has none: every value takes the general route."""
-    return False
-
-
 _FIRST = operator.itemgetter(0)
-_VALUES, _SHAPE, _DTYPE = (operator.attrgetter(name) for name in ("_values", "shape", "dtype"))
+_VALUES = operator.attrgetter("_values")
 _PAIR_TYPES = frozenset((tuple, list))
-_PER_REPLICA = {PerReplica}
-_REDUCIBLE = {np.dtype(name) for name in ("float16", "float32", "float64", "complex64", "complex128", "int8",
-                                           "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")}

@@ -16,10 +16,10 @@ from distrib import context
 from distrib.backends import get_multi_process_backend
 from distrib.cluster_resolver import ClusterResolver, MPIClusterResolver
 from distrib.cross_device_ops import CollectiveAllReduce
-from distrib.extended import _REDUCIBLE, _check_reduce_inputs
 from distrib.input.contexts import InputWorkers
 from distrib.mirrored import MirroredExtended, checked_communication_options
 from distrib.options import CommunicationOptions, ReduceOp
+from distrib.reduce_inputs import REDUCIBLE, check_reduce_inputs
 from distrib.replica_context import check_gather_shapes
 from distrib.strategy import Strategy
 from distrib.values import Mirrored, PerReplica, flatten, local_components, unflatten
@@ -48,8 +48,8 @@ class MultiWorkerExtended(MirroredExtended):
             return super().reduce_to(reduce_op, value, destinations, options)
         context.require_cross_replica("reduce_to", self._strategy_ref())
         op = ReduceOp.from_value(reduce_op)
-        if arrays[0].dtype not in _REDUCIBLE:
-            _check_reduce_inputs(arrays, 0)
+        if arrays[0].dtype not in REDUCIBLE:
+            check_reduce_inputs(arrays, 0)
         reduced = self._cross_device_ops.batch_all_reduce(self._backend, op, [[arrays[0]]], self._devices,
                                                           self._options if options is None else
                                                           self._options.merge(options))
