@@ -50,7 +50,8 @@ def placed_batch(values: Sequence[Any], destinations: Sequence[tuple[str, ...]],
     process's one replica's), reduced onto `devices` (each of `destinations` is `devices` itself), of a dtype
     reductions take as it is, one shape and dtype per value on every replica: a step's gradients. Else None, and
     the caller's general route checks each value and names what is wrong. The checks run over columns in C
-    rather than per value in Python (1,024 values: about 0.5 ms here, against 1.4 ms one by one).
+    rather than per value in Python (a batch_reduce_to of 1,024 arrays on one emulated replica took 2.1 ms value
+    by value, 1.7 ms with this, 0.7 ms of it the reduction itself).
     """
     if destinations.count(devices) != len(destinations):
         return None
