@@ -32,16 +32,17 @@ class CrossDeviceOps:
         raise NotImplementedError
 
     def reduce_to(self, backend: Backend, op: ReduceOp, components: Sequence[Any], devices: Sequence[str],
-                  destinations: Sequence[str]) -> list[Any]:
-        """Reduces one array per device onto `destinations` (device names, or ('host',) for NumPy)."""
+                  destinations: Sequence[str], timeout: float | None = None) -> list[Any]:
+        """Reduces one array per device onto `destinations` (device names, or ('host',) for NumPy); a collective
+        across processes waits for the others up to `timeout` seconds (None: the default timeout)."""
         total = _reduce_on(backend, op, components, devices[0] if destinations[0] == HOST else destinations[0])
         if tuple(destinations) == (HOST,):
             return [backend.to_host(total)]
         return [total] + [backend.copy(total, d) for d in destinations[1:]]
 
     def batch_reduce_to_host(self, backend: Backend, op: ReduceOp, per_replica: Sequence[Sequence[Any]],
-                             devices: Sequence[str]) -> list[np.ndarray]:
-        """`reduce_to(..., ('host',))` of every value `per_replica[r][v]` at once, as host NumPy arrays.
+                             devices: Sequence[str], timeout: float | None = None) -> list[np.ndarray]:
+        """`reduce_to(..., ('host',), timeout)` of every value `per_replica[r][v]` at once, as host NumPy arrays.
 
         Each dtype's values are packed into one buffer per device and the buffers summed on the first device in
         device order, as `reduce_to` sums one value: element for element the same additions, so the same bits.
@@ -57,8 +58,9 @@ class CrossDeviceOps:
                 results[member.index] = view if len(views) == 1 else view.copy()
         return results
 
-    def broadcast(self, backend: Backend, array: Any, destinations: Sequence[str]) -> list[Any]:
-        return backend.broadcast(array, list(destinations))
+    def broadcast(self, backend: Backend, array: Any, destinations: Sequence[str],
+                  timeout: float | None = None) -> list[Any]:
+        return backend.broadcast(array, list(destinations), timeout=timeout)
 
     def all_gather(self, backend: Backend, components: Sequence[Any], devices: Sequence[str],
                    axis: int) -> list[Any]:
@@ -71,12 +73,12 @@ class CrossDeviceOps:
         every device, in the same layout. One backend all_gather per dtype (see distrib/batched_gather.py)."""
         if not per_replica[0]:
             return [[] for _ in devices]
+        timeout = None if options is None else options.timeout
         return batch_all_gather(backend, per_replica, devices, axis,
-                                lambda layouts: self._gathered_layouts(backend, layouts, devices),
-                                None if options is None else options.timeout)
+                                lambda layouts: self._gathered_layouts(backend, layouts, devices, timeout), timeout)
 
-    def _gathered_layouts(self, backend: Backend, layouts: list[list[tuple]], devices: Sequence[str]
-                          ) -> list[list[tuple]]:
+    def _gathered_layouts(self, backend: Backend, layouts: list[list[tuple]], devices: Sequence[str],
+                          timeout: float | None) -> list[list[tuple]]:
         """`layouts[r][v]` (value v's length along the gather axis, shape and dtype on local replica r, as ints) of
         every replica taking part (here: the local ones)."""
         return layouts
@@ -235,25 +237,28 @@ class CollectiveAllReduce(NcclAllReduce):
       num_packs: as for `NcclAllReduce`.
     """
 
-    def reduce_to(self, backend, op, components, devices, destinations):
-        plan = self.all_reduce_plan([(components[0].shape, components[0].dtype)], op, len(devices),
-                                    CommunicationOptions())
-        total = backend.execute(plan, [[c] for c in components], list(devices))[0][0]
+    def reduce_to(self, backend, op, components, devices, destinations, timeout=None):
+        plan = self.all_reduce_plan([(components[0].shape, components[0].dtype)], op, len(devices), _DEFAULTS)
+        total = backend.execute(plan, [[c] for c in components], list(devices), timeout=timeout)[0][0]
         if tuple(destinations) == (HOST,):
             return [backend.to_host(total)]
         return [backend.copy(total, d) for d in destinations]
 
-    def batch_reduce_to_host(self, backend, op, per_replica, devices):
+    def batch_reduce_to_host(self, backend, op, per_replica, devices, timeout=None):
         plan = self.all_reduce_plan([(value.shape, value.dtype) for value in per_replica[0]], op, len(devices),
-                                    CommunicationOptions())
-        return [backend.to_host(total) for total in backend.execute(plan, per_replica, list(devices))[0]]
+                                    _DEFAULTS)
+        return [backend.to_host(total) for total in backend.execute(plan, per_replica, list(devices),
+                                                                    timeout=timeout)[0]]
 
-    def _gathered_layouts(self, backend, layouts, devices):
+    def _gathered_layouts(self, backend, layouts, devices, timeout):
         # every value's layout in one exchange: an int64 array per replica
         parts = [backend.to_device(np.array(mine, np.int64).reshape(-1), d) for mine, d in zip(layouts, devices)]
-        gathered = backend.to_host(backend.all_gather(parts, list(devices))[0])
+        gathered = backend.to_host(backend.all_gather(parts, list(devices), timeout=timeout)[0])
         return [[tuple(layout) for layout in replica]
                 for replica in gathered.reshape(-1, len(layouts[0]), len(layouts[0][0])).tolist()]
+
+
+_DEFAULTS = CommunicationOptions()  # the packing of reductions made outside a run: one buffer per dtype
 
 
 def default_cross_device_ops(backend: Backend) -> CrossDeviceOps:

@@ -198,7 +198,7 @@ class StrategyExtended(abc.ABC):
                     batch[1].append(arrays)
                 else:
                     results[k] = Mirrored(self._cross_device_ops.reduce_to(backend, op, arrays, devices,
-                                                                           destinations))
+                                                                           destinations, options.timeout))
         ids, values = all_reduce_batch
         if ids:
             per_replica = list(map(list, zip(*values)))
@@ -208,7 +208,8 @@ class StrategyExtended(abc.ABC):
         ids, values = host_batch
         if ids:
             per_replica = [list(column) for column in zip(*values)]
-            for k, array in zip(ids, self._cross_device_ops.batch_reduce_to_host(backend, op, per_replica, devices)):
+            for k, array in zip(ids, self._cross_device_ops.batch_reduce_to_host(backend, op, per_replica, devices,
+                                                                                 options.timeout)):
                 results[k] = Mirrored([array])
         return results
 
@@ -256,7 +257,7 @@ class StrategyExtended(abc.ABC):
         if destinations == (HOST,):
             return Mirrored([self._backend.to_host(value)])
         source = self._backend.to_device(value, destinations[0])
-        return Mirrored(self._cross_device_ops.broadcast(self._backend, source, destinations))
+        return Mirrored(self._cross_device_ops.broadcast(self._backend, source, destinations, self._options.timeout))
 
     # -- variables --------------------------------------------------------------------------------------
 
@@ -369,7 +370,8 @@ class StrategyExtended(abc.ABC):
         if op is ReduceOp.MEAN:  # MEAN divides by the global count: it travels with the sums, as one more value
             sums.append([backend.to_device(np.array(c, np.int64), d) for c, d in zip(zip(*counts), devices)])
         per_replica = [list(values) for values in zip(*sums)]
-        totals = self._cross_device_ops.batch_reduce_to_host(backend, ReduceOp.SUM, per_replica, devices)
+        totals = self._cross_device_ops.batch_reduce_to_host(backend, ReduceOp.SUM, per_replica, devices,
+                                                             self._options.timeout)
         if op is ReduceOp.SUM:
             return totals
         global_counts = totals.pop()

@@ -215,6 +215,17 @@ def test_a_rank_that_raises_ends_the_job_at_once_and_every_rank_writes_its_timel
     assert not (tmp_path / "trace.json").exists()
 
 
+@pytest.mark.parametrize("api", ["Strategy.reduce", "Strategy.reduce along an axis", "Strategy.gather",
+                                 "broadcast_to", "reduce_to a device"])
+def test_the_strategys_timeout_bounds_collectives_outside_run(tmp_path, api):
+    # each of these waited out the 600 s default instead of the strategy's 1 s
+    done = mpirun("timeouts_outside_run.py", api, str(tmp_path / "error.json"), timeout=60)
+    assert done.returncode != 0  # the job ends, it does not hang
+    report = json.loads((tmp_path / "error.json").read_text())
+    assert report["missing_ranks"] == [1] and "timed out after 1 s" in report["message"], report
+    assert report["seconds"] < 1 + 3
+
+
 @pytest.mark.parametrize("announcements", ["shared-memory", "messages"])
 def test_a_rank_that_ends_early_gives_the_other_an_error_naming_it_at_once(tmp_path, announcements):
     # rank 1's program calls sys.exit(3) before the 3rd step: rank 0 must not wait out its 600 s timeout there
