@@ -310,7 +310,7 @@ def one_replica_each(request, tmp_path_factory):
 
 def test_one_replica_per_process_all_reduces_as_one_process(one_replica_each):
     _, report = one_replica_each
-    checks = {name: ok for name, ok in report.items() if name not in ("flood", "left")}
+    checks = {name: ok for name, ok in report.items() if name not in ("flood", "lead", "left")}
     assert len(checks) == 16 and all(checks.values()), checks
 
 
@@ -339,6 +339,14 @@ def test_a_peer_waiting_for_a_rank_that_left_names_it_as_gone(one_replica_each):
     left = report["left"]
     assert left["missing"] == [1] and left["type"] == "WorkerFailedError" and left["ranks"] == [1]
     assert "rank 1 (pid " in left["message"] and "left the job after collective #" in left["message"]
+    # two launches past its last collective are allowed (the lead); the third names it
+    assert left["launch"]["launched"] == 2 and left["launch"]["ranks"] == [1], left["launch"]
+    assert left["launch"]["message"].startswith("a launch across processes cannot complete: rank 1 (pid ")
+
+
+def test_launches_run_at_most_two_collectives_ahead_of_the_slowest_peer(one_replica_each):
+    _, report = one_replica_each
+    assert report["lead"]["waited"] >= 0.4  # rank 0's third launch waited for rank 1's first
 
 
 def test_one_replica_per_process_reduces_gathers_and_updates_variables_as_one_process(tmp_path):

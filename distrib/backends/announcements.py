@@ -141,8 +141,9 @@ class Channel:
                 self.group.check_usable(what)
             self._announce()
             missing = self._missing()  # takes in what has arrived, so that nothing piles up
+            # a peer that left reads as far behind: the wait then tells whether it left before that collective
             if missing and lead is not None and \
-                    min(_last_announced(seen) for _, seen in self._announced()) < self.sequence - lead:
+                    min([slot[0] for slot in self._near_slots] + self._seen) < self.sequence - lead:
                 self._wait_for_peers(what, timeout, self.sequence - lead)
             return self.sequence
 

@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+import distrib
+
 from distrib.backends.mpi import MpiBackend
 
 AHEAD = 3000
@@ -53,8 +55,17 @@ report["flood"] = {"by message": list(channel._peers), "in shared memory": list(
                    glob.glob("/dev/shm/distrib-announcements-*"),
                    "sent_while_in_flight": sent_while_in_flight, "missing": list(group.missing(channel.sequence)),
                    "sum after": float(total[0])}
+# launches (NCCL's collectives are asynchronous) run at most `lead` collectives ahead of the slowest peer: rank 0's
+# third waits until rank 1, half a second late, has announced its first
+began = time.monotonic()
+if group.rank == 1:
+    time.sleep(0.5)
+for _ in range(3):
+    group.announce("a launch", timeout=10, lead=2)
+report["lead"] = {"waited": time.monotonic() - began}
+group.barrier("the barrier after the launches", timeout=20)
 # rank 1 leaves (as its program's end does): rank 0, waiting for a next collective, is told so, and the error it
-# raises names rank 1 as gone rather than late
+# raises names rank 1 as gone rather than late; so does a launch more than `lead` collectives past rank 1's last
 if group.rank == 1:
     for each in group.channels:
         each.leave()
@@ -63,9 +74,17 @@ else:
     while not channel.left(group.missing(channel.sequence + 1)) and time.monotonic() < until:
         time.sleep(0.001)
     error = group.missing_error("all_reduce", 5.0, channel.sequence + 1, group.missing(channel.sequence + 1))
-    group.broken = None  # this job goes on to end normally
     report["left"] = {"missing": list(group.missing(channel.sequence + 1)), "type": type(error).__name__,
                       "ranks": list(error.ranks), "message": str(error)}
+    group.broken = None
+    launched = 0
+    try:
+        for _ in range(3):
+            group.announce("a launch", timeout=10, lead=2)
+            launched += 1
+    except distrib.errors.WorkerFailedError as exc:
+        report["left"]["launch"] = {"launched": launched, "ranks": list(exc.ranks), "message": str(exc)}
+    group.broken = None  # this job goes on to end normally
 if group.rank == 0:
     with open(sys.argv[1], "w") as file:
         json.dump(report, file)
