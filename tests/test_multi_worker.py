@@ -298,14 +298,16 @@ def test_a_rank_stopped_inside_a_transfer_aborts_the_job_past_the_timeout(tmp_pa
 
 
 
-@pytest.fixture(scope="module", params=["shared-memory", "messages"])
+@pytest.fixture(scope="module", params=["shared-memory", "messages", "messages asked by one rank"])
 def one_replica_each(request, tmp_path_factory):
     """The report of one_replica.py, with the ranks announcing collectives through shared memory (as peers on one
-    host do) or by message (as peers on other hosts do)."""
+    host do) or by message (as peers on other hosts do; also when only one rank of the host asks for messages)."""
     report = tmp_path_factory.mktemp("one_replica") / "report.json"
-    done = mpirun("one_replica.py", str(report), timeout=60, DISTRIB_MPI_ANNOUNCEMENTS=request.param)
+    env = {"ONE_RANK_WANTS_MESSAGES": "1"} if request.param == "messages asked by one rank" else \
+        {"DISTRIB_MPI_ANNOUNCEMENTS": request.param}
+    done = mpirun("one_replica.py", str(report), timeout=60, **env)
     assert done.returncode == 0, done.stdout + done.stderr
-    return request.param, json.loads(report.read_text())
+    return request.param.split()[0], json.loads(report.read_text())
 
 
 def test_one_replica_per_process_all_reduces_as_one_process(one_replica_each):

@@ -73,7 +73,7 @@ class Channel:
         self._board = MPI.COMM_WORLD.Dup()
         self.sequence = 0  # collectives announced so far
         self.in_call: InCall | None = None
-        slots = _shared_slots(MPI, self._board) if os.environ.get(ANNOUNCEMENTS_VARIABLE) != "messages" else {}
+        slots = _shared_slots(MPI, self._board, os.environ.get(ANNOUNCEMENTS_VARIABLE) != "messages")
         self._slot = slots.get(group.rank)  # this rank's last announcement, read by the peers on its host
         self._near = tuple(r for r in range(group.size) if r != group.rank and r in slots)
         self._near_slots = tuple(slots[r] for r in self._near)  # theirs
@@ -285,10 +285,11 @@ def _last_announced(announced: int) -> int:
     return announced if announced >= 0 else -announced - 1
 
 
-def _shared_slots(MPI: Any, comm: Any) -> dict[int, memoryview]:
+def _shared_slots(MPI: Any, comm: Any, wanted: bool) -> dict[int, memoryview]:
     """{rank of `comm`: its announcement slot} for the ranks on this host, each an 8-byte integer in a file they
-    all map (in /dev/shm where there is one), starting at 0; {} where this rank is alone on its host or the file
-    cannot be shared (then every peer gets messages). Collective over `comm`.
+    all map (in /dev/shm where there is one), starting at 0; {} where this rank is alone on its host, the file
+    cannot be shared, or a rank on this host does not want slots (then every peer gets messages): the ranks of a
+    host agree. Collective over `comm`, whatever `wanted` is.
 
     A mapped file rather than an MPI shared-memory window: creating a window makes some Open MPI 5 builds print
     errors from RMA components that do not apply (osc/ucx without UCX hardware), and only the memory is needed.
@@ -299,9 +300,9 @@ def _shared_slots(MPI: Any, comm: Any) -> dict[int, memoryview]:
         size = host.Get_size()
         if size == 1:
             return {}
-        path = host.bcast(_new_board(size * _SLOT_BYTES) if host.Get_rank() == 0 else None, root=0)
+        path = host.bcast(_new_board(size * _SLOT_BYTES) if host.Get_rank() == 0 and wanted else None, root=0)
         board = None
-        if path is not None:
+        if path is not None and wanted:
             try:
                 with open(path, "r+b") as file:
                     board = mmap.mmap(file.fileno(), size * _SLOT_BYTES)
