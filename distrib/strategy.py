@@ -168,7 +168,7 @@ class Strategy:
         """
         self._extended._require_cross_replica("Strategy.reduce")
         op = ReduceOp.from_value(reduce_op)
-        with self.scope():
+        with self._enter_scope():  # `with self.scope()` without the re-enterable object it makes (a thread-local)
             leaves, spec = flatten(value)
             return unflatten(spec, self._extended._reduce_to_host(op, leaves, axis))
 
