@@ -57,9 +57,9 @@ def placed_batch(values: Sequence[Any], destinations: Sequence[tuple[str, ...]],
         return None
     if set(map(type, values)) == PER_REPLICA:
         components = list(map(_VALUES, values))
-        arrays = list(itertools.chain.from_iterable(components))  # replica by replica, value after value
-        if len(arrays) != len(devices) * len(values) or set(map(len, components)) != {len(devices)}:
+        if set(map(len, components)) != {len(devices)}:
             return None
+        arrays = list(itertools.chain.from_iterable(components))  # each value's replicas in turn
         per_replica = list(map(list, zip(*components)))
     elif plain_values_are_components and len(devices) == 1:
         arrays = list(values)
