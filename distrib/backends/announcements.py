@@ -165,10 +165,7 @@ class Channel:
             if self._slot is not None:
                 self._slot[0] = marker
             if self._peers:
-                stamp = array.array("q", [marker])
-                self._stamps.append(stamp)
-                self._sends.extend(self._board.Isend([stamp, self.group.MPI.INT64_T], dest=peer, tag=_TAG)
-                                   for peer in self._peers)
+                self._send_from_own_buffer(marker)
 
     def _announced(self) -> list[tuple[int, int]]:
         """(peer, what it last announced as far as this rank has seen: a collective's number, or `_left_after`'s
@@ -183,19 +180,20 @@ class Channel:
         sends = self._stamp_sends
         for send in sends:  # one call per request: Testall and Startall build an array of them each time
             if not send.Test():
-                self._announce_queued(sequence)
+                self._send_from_own_buffer(sequence)
                 return
         self._stamp[0] = sequence  # 8-byte sends complete at once: the stamp is free again
         for send in sends:
             send.Start()
 
-    def _announce_queued(self, sequence: int) -> None:
-        """Announces `sequence` while the stamp's sends are still in flight: from a buffer of its own."""
+    def _send_from_own_buffer(self, announced: int) -> None:
+        """Sends `announced` to every peer by message from a buffer of its own: an announcement while the stamp's
+        sends are still in flight, or the marker of `leave`."""
         MPI = self.group.MPI
         if len(self._sends) >= _CHECK_SENDS_EVERY and MPI.Request.Testall(self._sends):  # rare: look seldom
             self._sends.clear()
             self._stamps.clear()
-        stamp = array.array("q", [sequence])  # a buffer of its own; MPI keeps messages to a peer in order
+        stamp = array.array("q", [announced])  # a buffer of its own; MPI keeps messages to a peer in order
         self._stamps.append(stamp)
         for peer in self._peers:
             self._sends.append(self._board.Isend([stamp, MPI.INT64_T], dest=peer, tag=_TAG))
@@ -230,9 +228,11 @@ class Channel:
             if not missing:
                 return
             waited = time.monotonic() - begin
-            if waited > LEFT_CHECK_SECONDS and self.left(missing):  # not on every poll: a peer in step comes soon
-                self.group.broken = self.left_error(what, sequence, missing)
-                raise self.group.broken
+            if waited > LEFT_CHECK_SECONDS:  # not on every poll: a peer in step comes soon
+                left = self.left_error(what, sequence, missing)
+                if left is not None:
+                    self.group.broken = left
+                    raise left
             if waited > limit:
                 self.group.broken = missing_error(self, what, limit, sequence, missing)
                 raise self.group.broken
@@ -241,14 +241,13 @@ class Channel:
             elif self._yield:
                 os.sched_yield()  # the peer we wait for may need this core
 
-    def left(self, peers: tuple[int, ...]) -> tuple[int, ...]:
-        """Those of `peers` whose program has ended (`leave`), as far as this rank has seen."""
-        return tuple(peer for peer, announced in self._announced() if peer in peers and announced < 0)
-
-    def left_error(self, what: str, sequence: int, missing: tuple[int, ...]) -> WorkerFailedError:
-        """The error of collective #`sequence`, which the peers of `missing` that left will never reach."""
+    def left_error(self, what: str, sequence: int, missing: tuple[int, ...]) -> WorkerFailedError | None:
+        """The error of collective #`sequence`, which the peers of `missing` whose program has ended (`leave`) will
+        never reach; None while none of them has, as far as this rank has seen."""
         group = self.group
         left = [(peer, announced) for peer, announced in self._announced() if peer in missing and announced < 0]
+        if not left:
+            return None
         ranks = tuple(peer for peer, _ in left)
         gone = "; ".join(f"{group.describe((peer,))} left the job after collective #{_last_announced(marker)}"
                          for peer, marker in left)

@@ -125,7 +125,7 @@ class ProcessGroup:
         """The DeadlineExceededError of collective #`sequence` that `missing` never reached, or the
         WorkerFailedError naming those of them whose program ended; the group is broken."""
         channel = self.collectives
-        self.broken = channel.left_error(what, sequence, missing) if channel.left(missing) else \
+        self.broken = channel.left_error(what, sequence, missing) or \
             missing_error(channel, what, limit, sequence, missing, detail)
         return self.broken
 

@@ -73,7 +73,8 @@ if group.rank == 1:
         each.leave()
 else:
     until = time.monotonic() + 10
-    while not channel.left(group.missing(channel.sequence + 1)) and time.monotonic() < until:
+    while channel.left_error("all_reduce", channel.sequence + 1, group.missing(channel.sequence + 1)) is None \
+            and time.monotonic() < until:
         time.sleep(0.001)
     error = group.missing_error("all_reduce", 5.0, channel.sequence + 1, group.missing(channel.sequence + 1))
     report["left"] = {"missing": list(group.missing(channel.sequence + 1)), "type": type(error).__name__,
