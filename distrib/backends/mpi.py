@@ -10,6 +10,7 @@ as float32.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import numpy as np
@@ -192,20 +193,32 @@ class MpiBackend(CpuBackend):
         return shared_views(total, len(devices))
 
     def all_gather(self, flats, devices, *, timeout=None):
-        """Every replica's flat array (all of one length), of every process, in global replica order."""
-        MPI, group = self.group.MPI, self.group
-        local = self._pool.empty((sum(f.size for f in flats),), flats[0].dtype)
-        np.concatenate(flats, out=local)
-        per_replica = flats[0].size
-        gathered = self._pool.empty((per_replica * group.num_replicas,), local.dtype)
-        counts = [per_replica * n for n in group.replica_counts]
-        mpi_type = self._wire(local.dtype)[0]
-        if mpi_type is None:  # no MPI type (float16, bfloat16): gather the bytes
-            mpi_type, counts = MPI.BYTE, [c * local.itemsize for c in counts]
-        displacements = np.cumsum([0] + counts[:-1]).tolist()
-        group.run("all_gather", lambda: group.comm.Allgatherv(
-            [local, mpi_type], [gathered, (counts, displacements), mpi_type]), timeout)
+        """Every replica's flat array (all of one length), of every process, in global replica order.
+
+        This process's replicas are copied once, into their place in the result, which MPI then gathers in place:
+        the out-of-place form copies them there itself, and so took a second copy (1.8x raw at 16 MB).
+        """
+        group = self.group
+        first, per_replica = flats[0], flats[0].size
+        gathered = self._pool.take(first.itemsize * per_replica * group.num_replicas).view(first.dtype)
+        start = group.first_replica * per_replica
+        mine = gathered[start:start + per_replica * len(flats)]
+        if len(flats) == 1:
+            np.copyto(mine, first.reshape(-1))
+        else:
+            np.concatenate([flat.reshape(-1) for flat in flats], out=mine)
+        spec = self._gather_spec(per_replica, first.dtype)
+        group.run("all_gather", group.comm.Allgatherv, timeout, group.MPI.IN_PLACE, [gathered, *spec])
         return shared_views(gathered, len(devices))
+
+    def _gather_spec(self, per_replica: int, dtype: np.dtype) -> tuple[tuple[list[int], list[int]], Any]:
+        """((counts, displacements), datatype) of an all-gather of `per_replica` elements per replica: bytes where
+        MPI has no type for `dtype` (float16, bfloat16)."""
+        mpi_type = self._wire(dtype)[0]
+        if mpi_type is None:
+            mpi_type, per_replica = self.group.MPI.BYTE, per_replica * dtype.itemsize
+        counts = [per_replica * n for n in self.group.replica_counts]
+        return (counts, list(itertools.accumulate(counts[:-1], initial=0))), mpi_type
 
     def reduce_scatter(self, flats, devices, *, timeout=None):
         """Local replica i gets global slice `first_replica + i` of the sum over every replica."""
