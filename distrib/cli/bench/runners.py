@@ -106,7 +106,8 @@ class DistribSeries:
     all_reduce: `extended.reduce_to(op, value, destinations=value)`; reduce: `reduce_to` onto the root's device;
     broadcast: `extended.broadcast_to`; all_gather: the cross-replica all-gather a replica's `all_gather` runs
     once the replicas have met; reduce_scatter: the backend's reduce-scatter (distrib, like TensorFlow, has no
-    user-level one); batch_reduce: `extended.batch_reduce_to` of one (value, value) pair per array.
+    user-level one); batch_reduce: `extended.batch_reduce_to` of one (value, value) pair per array. The values
+    (PerReplica, pairs) are made before the clock starts.
 
     Args:
       name: the column group's title.
@@ -133,51 +134,52 @@ class DistribSeries:
         host = [spec.host_input(r) for r in spec.local_ranks]
         root = spec.local_index(spec.root)  # None when another process drives the root
         arrays: list = []
+        # what a step passes, made from `arrays` off the clock: a training step's values exist before it reduces
+        # them, as the baselines' buffers do
+        made: list = []
+        name = spec.collective.name
+        if name == "batch_reduce":  # one (value, value) pair per array; cutting 1,024 values took 2 ms
+            cuts = list(range(0, spec.layout.send_count, spec.array_elements))
+            make = lambda: [(v, v) for v in _split(arrays, cuts, spec)]  # noqa: E731
+        elif name == "all_gather":
+            make = lambda: [[a] for a in arrays]  # noqa: E731
+        else:
+            make = lambda: [PerReplica(arrays)]  # noqa: E731
 
         def reset():
             arrays[:] = [backend.to_device(h, d) for h, d in zip(host, devices)]
+            made[:] = make()
             backend.synchronize()
 
         def hosts(values):
             return [backend.to_host(v) for v in values]
 
         reset()
-        name = spec.collective.name
         if name == "all_reduce":
-            step = lambda: ext.reduce_to(op, PerReplica(arrays), PerReplica(arrays))  # noqa: E731
+            step = lambda: ext.reduce_to(op, made[0], made[0])  # noqa: E731
             outputs = lambda result: hosts(result.values)  # noqa: E731
         elif name == "reduce":
-            step = lambda: ext.reduce_to(op, PerReplica(arrays), devices[root or 0])  # noqa: E731
+            step = lambda: ext.reduce_to(op, made[0], devices[root or 0])  # noqa: E731
             outputs = lambda result: [backend.to_host(result.values[0]) if i == root else None  # noqa: E731
                                       for i in range(len(devices))]
         elif name == "broadcast":  # across processes the root is on rank 0's process (see check_arguments)
-            step = lambda: ext.broadcast_to(arrays[root or 0], PerReplica(arrays))  # noqa: E731
+            step = lambda: ext.broadcast_to(arrays[root or 0], made[0])  # noqa: E731
             outputs = lambda result: hosts(result.values)  # noqa: E731
         elif name == "all_gather":
             options = ext._merged_options(None)
-            step = lambda: ext._batch_all_gather([[a] for a in arrays], 0, options)  # noqa: E731
+            step = lambda: ext._batch_all_gather(made, 0, options)  # noqa: E731
             outputs = lambda result: [backend.to_host(r[0]) for r in result]  # noqa: E731
         elif name == "reduce_scatter":
             step = lambda: backend.reduce_scatter(arrays, devices)  # noqa: E731
             outputs = hosts
         else:  # batch_reduce
-            # a step's gradients exist before it reduces them: the arrays are cut into values off the clock, as the
-            # baselines' are (cutting 1,024 values inside took more than the reduction on the emulator)
-            cuts = list(range(0, spec.layout.send_count, spec.array_elements))
-            pairs: list = []
-
-            def refill():
-                reset()
-                pairs[:] = [(v, v) for v in _split(arrays, cuts, spec)]
-
-            refill()
             if self.one_call_per_array:
-                step = lambda: [ext.reduce_to(op, v, v) for v, _ in pairs]  # noqa: E731
+                step = lambda: [ext.reduce_to(op, v, v) for v, _ in made]  # noqa: E731
             else:
-                step = lambda: ext.batch_reduce_to(op, pairs, self.options)  # noqa: E731
+                step = lambda: ext.batch_reduce_to(op, made, self.options)  # noqa: E731
             outputs = lambda result: [np.concatenate([backend.to_host(m.values[i]) for m in result])  # noqa: E731
                                       for i in range(len(devices))]
-        return Prepared(step, backend.synchronize, refill if name == "batch_reduce" else reset, outputs)
+        return Prepared(step, backend.synchronize, reset, outputs)
 
 
 def _split(arrays: Sequence[Any], cuts: Sequence[int], spec: RowSpec) -> list:
