@@ -251,11 +251,10 @@ class CollectiveAllReduce(NcclAllReduce):
                                                                     timeout=timeout)[0]]
 
     def _gathered_layouts(self, backend, layouts, devices, timeout):
-        # every value's layout in one exchange: an int64 array per replica
-        parts = [backend.to_device(np.array(mine, np.int64).reshape(-1), d) for mine, d in zip(layouts, devices)]
-        gathered = backend.to_host(backend.all_gather(parts, list(devices), timeout=timeout)[0])
+        # every process's, in one host exchange: no device copies, and on GPUs no wait for them
+        rows = backend.gather_rows(np.array(layouts, np.int64).reshape(len(layouts), -1), timeout=timeout)
         return [[tuple(layout) for layout in replica]
-                for replica in gathered.reshape(-1, len(layouts[0]), len(layouts[0][0])).tolist()]
+                for replica in rows.reshape(-1, len(layouts[0]), len(layouts[0][0])).tolist()]
 
 
 _DEFAULTS = CommunicationOptions()  # the packing of reductions made outside a run: one buffer per dtype

@@ -79,8 +79,9 @@ def as_json(value):
 
 def test_nested_values_gather_and_reduce_as_one_process_with_four_replicas(job):
     report, _, _ = job
-    # each process: one exchange of every leaf's length (int64), then one all_gather per dtype
-    assert report["nested_all_gather_dtypes"] == ["bool", "float16", "float32", "int32", "int64"]
+    # each process: one host exchange of every leaf's layout (a row per local replica), then one all_gather per dtype
+    # (2 replicas, 5 leaves x 5 ints each), and no int64 all_gather of them on the devices
+    assert report["nested_all_gather_dtypes"] == ["bool", "float16", "float32", "int32", "sizes (2, 25)"]
     strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     out = strategy.run(lambda: distrib.get_replica_context().all_gather(
         ragged_nested(distrib.get_replica_context().replica_id_in_sync_group), axis=0))
@@ -369,6 +370,8 @@ def test_processes_with_different_replica_counts_split_batches_as_one_process(tm
     # global batches of 7 then 5 rows over 4 replicas: pieces of 2, 2, 2, 1 then 2, 2, 1, 0, replica 0 on rank 0
     assert first["batches"] == [[[0.0, 1.0]], [[7.0, 8.0]]]
     assert rest["batches"] == [[[2.0, 3.0], [4.0, 5.0], [6.0]], [[9.0, 10.0], [11.0], []]]
+    expected = {"rows": [[r, r] for r in range(4) for _ in range(r + 1)], "ids": [0.0, 1.0, 2.0, 3.0]}
+    assert first["gathered"] == [expected] and rest["gathered"] == [expected] * 3
     # a plain value's SUM is refused on both processes (the one with one replica did not wait in a collective)
     assert first["plain_sum"] == rest["plain_sum"] and "cannot be reduced with SUM on 4 replicas" in first["plain_sum"]
 

@@ -130,6 +130,12 @@ class Backend(abc.ABC):
     def all_gather(self, flats: Sequence[Any], devices: Sequence[str], *, timeout: float | None = None) -> list[Any]:
         """Each device gets the concatenation of every device's flat array, in device order."""
 
+    def gather_rows(self, rows: np.ndarray, *, timeout: float | None = None) -> np.ndarray:
+        """Every replica's row of small host integers, of every process, in global replica order: `rows` holds
+        this process's, one int64 row per local replica (an all-gather's value sizes, exchanged before its data).
+        Host to host, whatever moves the arrays: one process has nothing to exchange, and returns `rows`."""
+        return rows
+
     @abc.abstractmethod
     def reduce_scatter(self, flats: Sequence[Any], devices: Sequence[str], *,
                        timeout: float | None = None) -> list[Any]:

@@ -220,6 +220,9 @@ class MpiBackend(CpuBackend):
         counts = [per_replica * n for n in self.group.replica_counts]
         return (counts, list(itertools.accumulate(counts[:-1], initial=0))), mpi_type
 
+    def gather_rows(self, rows, *, timeout=None):
+        return self.group.gather_rows(rows, timeout)
+
     def reduce_scatter(self, flats, devices, *, timeout=None):
         """Local replica i gets global slice `first_replica + i` of the sum over every replica."""
         n = self.group.num_replicas

@@ -54,10 +54,12 @@ backend = strategy.extended.backend
 gathered_dtypes: list = []
 backend.all_gather = lambda flats, devices, **kw: gathered_dtypes.append(flats[0].dtype.name) or \
     type(backend).all_gather(backend, flats, devices, **kw)  # counts this process's calls
+backend.gather_rows = lambda rows, **kw: gathered_dtypes.append(f"sizes {rows.shape}") or \
+    type(backend).gather_rows(backend, rows, **kw)
 nested_out = strategy.run(lambda: distrib.get_replica_context().all_gather(
     ragged_nested(distrib.get_replica_context().replica_id_in_sync_group), axis=0))
 report["nested_all_gather_dtypes"] = sorted(gathered_dtypes)
-del backend.all_gather
+del backend.all_gather, backend.gather_rows
 report["nested_all_gather"] = everywhere(map_structure(np.asarray, strategy.experimental_local_results(nested_out)))
 nested = strategy.experimental_distribute_values_from_function(lambda ctx: ragged_nested(ctx.replica_id_in_sync_group))
 report["nested_gather"] = strategy.gather(nested, axis=0)

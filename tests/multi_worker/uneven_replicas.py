@@ -1,5 +1,6 @@
 """Run under `mpirun` with a different number of emulated replicas per process (1 and 3): each replica gets the
-rows one process with every replica would give it, and a plain value's SUM is refused alike on every process.
+rows one process with every replica would give it, an all_gather of values whose lengths differ by replica gathers
+every replica's in order, and a plain value's SUM is refused alike on every process.
 
 argv[1] is the report file; each rank writes `<argv[1]>.<rank>`.
 """
@@ -17,6 +18,12 @@ data = np.arange(12, dtype=np.float32)
 dataset = strategy.experimental_distribute_dataset([data[0:7], data[7:12]])
 report = {"replicas": strategy.num_replicas_in_sync,
           "batches": [[np.asarray(t).tolist() for t in strategy.experimental_local_results(b)] for b in dataset]}
+gathered = strategy.run(lambda: distrib.get_replica_context().all_gather(  # replica r: r + 1 rows of r, [r]
+    {"rows": np.full((distrib.get_replica_context().replica_id_in_sync_group + 1, 2),
+                     distrib.get_replica_context().replica_id_in_sync_group, np.int32),
+     "ids": np.array([distrib.get_replica_context().replica_id_in_sync_group], np.float32)}, axis=0))
+report["gathered"] = [{k: np.asarray(v).tolist() for k, v in g.items()}
+                      for g in strategy.experimental_local_results(gathered)]
 try:
     strategy.extended.reduce_to("SUM", np.ones(2, np.float32), destinations="CPU:0")
 except ValueError as exc:

@@ -166,6 +166,9 @@ class MultiProcessCudaBackend(CudaBackend):
     def _gathered_count(self, local: int) -> int:
         return self.group.num_replicas
 
+    def gather_rows(self, rows, *, timeout=None):
+        return self.group.gather_rows(rows, timeout)
+
     def reduce_scatter(self, flats, devices, *, timeout=None):
         # via a whole all-reduce: simple and correct; RING plans across processes are rare
         n, first = self.group.num_replicas, self.group.first_replica
