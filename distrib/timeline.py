@@ -51,7 +51,8 @@ class Timeline:
       >>> path = os.path.join(tempfile.mkdtemp(), "trace.json")
       >>> strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
       >>> strategy.start_timeline(path)
-      >>> _ = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(4, np.float32)))
+      >>> two = [np.ones(4, np.float32), np.ones(2, np.float32)]  # packed into one buffer, then unpacked
+      >>> _ = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", two))
       >>> strategy.stop_timeline() == path
       True
       >>> sorted({e["name"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"})

@@ -106,7 +106,7 @@ def overwrite(array: np.ndarray, value) -> bool:
 
 
 class CallCountingBackend(CpuBackend):
-    """The real CPU emulator, recording each all_gather and add_n it runs, with the dtype it moves."""
+    """The real CPU emulator, recording each all_gather, gather_rows and add_n it runs, with the dtype it moves."""
 
     def __init__(self):
         super().__init__()
@@ -115,6 +115,10 @@ class CallCountingBackend(CpuBackend):
     def all_gather(self, flats, devices, *, timeout=None):
         self.calls.append(("all_gather", flats[0].dtype.name))
         return super().all_gather(flats, devices, timeout=timeout)
+
+    def gather_rows(self, rows, *, timeout=None):
+        self.calls.append(("gather_rows", rows.dtype.name))
+        return super().gather_rows(rows, timeout=timeout)
 
     def add_n(self, arrays, device):
         self.calls.append(("add_n", np.result_type(*arrays).name))

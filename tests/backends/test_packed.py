@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from distrib.backends.cpu import CpuBackend
+from distrib.backends.packed import execute_pack_by_pack
 from distrib.errors import BackendUnavailableError
 from distrib.plan import HIERARCHICAL, NATIVE, NCCL, RING, all_reduce_plan, plan_by_size, plan_concat_split
 
@@ -86,3 +87,23 @@ def test_an_nccl_plan_is_refused_by_the_cpu_emulator():
     with pytest.raises(BackendUnavailableError, match=r"^CommunicationImplementation.NCCL needs NCCL between GPUs"):
         CpuBackend().execute(all_reduce_plan(plan_concat_split(SPECS, 1), NCCL, False, 2), per_device_values(2),
                              devices(2))
+
+
+@pytest.mark.parametrize("shape, dtype, mean", [((3, 5), "float32", False), ((3, 5), "float32", True),
+                                               ((), "float64", True), ((4,), "int32", False), ((4,), "int32", True),
+                                               ((2, 2), "bool", False)])
+def test_a_plan_of_one_value_goes_straight_to_the_all_reduce_with_the_results_of_the_packed_route(shape, dtype, mean):
+    backend, count = RecordingCpuBackend(), 3
+    rng = np.random.default_rng(7)
+    values = [[(rng.standard_normal(shape) * 100).astype(dtype)] for _ in range(count)]
+    plan = all_reduce_plan(plan_concat_split([(shape, dtype)], 1), NATIVE, mean, count)
+    assert plan.single is not None
+    results = backend.execute(plan, values, devices(count))
+    expected = execute_pack_by_pack(CpuBackend(), plan, values, devices(count), None)
+    assert backend.calls == [("all_reduce", 1)]  # one collective, recorded as such (the timeline sees it)
+    for (got,), (want,) in zip(results, expected):
+        np.testing.assert_array_equal(got, want, strict=True)  # bit for bit, in shape and dtype
+        assert not got.flags.writeable  # read-only, as TensorFlow's tensors are
+    assert len({id(r[0]) for r in results}) == count  # each device its own view
+    with pytest.raises(ValueError, match="read-only"):
+        results[0][0][...] = 0
