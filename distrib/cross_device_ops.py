@@ -47,6 +47,8 @@ class CrossDeviceOps:
         Each dtype's values are packed into one buffer per device and the buffers summed on the first device in
         device order, as `reduce_to` sums one value: element for element the same additions, so the same bits.
         """
+        if len(per_replica[0]) == 1:  # one value (a step's loss): its sum alone, the same additions unpacked
+            return [backend.to_host(_reduce_on(backend, op, [values[0] for values in per_replica], devices[0]))]
         packing = planner.one_buffer_per_dtype(tuple((value.shape, value.dtype) for value in per_replica[0]))
         results: list[Any] = [None] * len(per_replica[0])
         for buffer in packing.buffers:

@@ -283,6 +283,20 @@ def test_num_packs_is_validated(cls):
 # reduce_to and broadcast
 
 
+@pytest.mark.parametrize("shape, dtype, reduce_op", [
+    ((), "float32", ReduceOp.SUM), ((), "float32", ReduceOp.MEAN), ((3, 2), "float16", ReduceOp.MEAN),
+    ((5,), "int32", ReduceOp.SUM), ((5,), "int32", ReduceOp.MEAN), ((2,), "bool", ReduceOp.SUM)])
+def test_one_value_reduced_to_the_host_alone_has_the_bits_it_has_in_a_packed_batch(shape, dtype, reduce_op):
+    rng = np.random.default_rng(3)
+    values = [(rng.standard_normal(shape) * 50).astype(dtype) for _ in range(3)]
+    other = [np.ones(4, dtype) for _ in range(3)]  # packed with the value: the batch's route
+    (alone,) = NcclAllReduce().batch_reduce_to_host(CpuBackend(), reduce_op, [[v] for v in values], devices(3))
+    batched, _ = NcclAllReduce().batch_reduce_to_host(CpuBackend(), reduce_op, [[v, o] for v, o in zip(values, other)],
+                                                      devices(3))
+    np.testing.assert_array_equal(alone, batched, strict=True)
+    assert type(alone) is np.ndarray
+
+
 @pytest.mark.parametrize("reduce_op", [ReduceOp.SUM, ReduceOp.MEAN], ids=["SUM", "MEAN"])
 @pytest.mark.parametrize("shape", [(2, 3), ()], ids=["matrix", "scalar"])
 @pytest.mark.parametrize("dtype", ["float32", "int64"])
