@@ -40,6 +40,8 @@ def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], dev
               for values in per_replica]
     layouts = gather_layouts([[_layout(front) for front in values] for values in fronts])
     _check_layouts(layouts)
+    if len(fronts[0]) == 1 and len({values[0][0] for values in layouts}) == 1:
+        return _gathered_alone(backend, fronts, len(layouts), axes[0], devices, timeout)
     lengths = [[layout[0] for layout in values] for values in layouts]
     longest = [max(column) for column in zip(*lengths)]
     blocks = [(n,) + front.shape[1:] for n, front in zip(longest, fronts[0])]  # each value's padded block
@@ -55,6 +57,18 @@ def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], dev
             for out, array in zip(results, joined):
                 out[member.index] = array if a == 0 else xp.moveaxis(array, 0, a)
     return results
+
+
+def _gathered_alone(backend: Backend, fronts: list[list[Any]], replicas: int, axis: int, devices: list[str],
+                    timeout: float | None) -> list[list[Any]]:
+    """One value, equally long on every replica (of `replicas`, every process's): each replica's flat is the value
+    itself, and each device's result the gathered buffer reshaped, with none of the padding's bookkeeping."""
+    front = fronts[0][0]
+    buffer = planner.one_buffer_per_dtype(((front.shape, front.dtype),)).buffers[0]
+    flats = [backend.pack(values, buffer, device) for values, device in zip(fronts, devices)]
+    shape = (replicas * front.shape[0],) + front.shape[1:]
+    gathered = [flat.reshape(shape) for flat in backend.all_gather(flats, devices, timeout=timeout)]
+    return [[array if axis == 0 else backend.xp.moveaxis(array, 0, axis)] for array in gathered]
 
 
 def _layout(front: Any) -> Layout:

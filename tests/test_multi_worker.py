@@ -372,6 +372,8 @@ def test_processes_with_different_replica_counts_split_batches_as_one_process(tm
     assert rest["batches"] == [[[2.0, 3.0], [4.0, 5.0], [6.0]], [[9.0, 10.0], [11.0], []]]
     expected = {"rows": [[r, r] for r in range(4) for _ in range(r + 1)], "ids": [0.0, 1.0, 2.0, 3.0]}
     assert first["gathered"] == [expected] and rest["gathered"] == [expected] * 3
+    alone = [[0, 0, 1, 1, 2, 2, 3, 3]]
+    assert first["gathered_alone"] == [alone] and rest["gathered_alone"] == [alone] * 3
     # a plain value's SUM is refused on both processes (the one with one replica did not wait in a collective)
     assert first["plain_sum"] == rest["plain_sum"] and "cannot be reduced with SUM on 4 replicas" in first["plain_sum"]
 

@@ -24,6 +24,9 @@ gathered = strategy.run(lambda: distrib.get_replica_context().all_gather(  # rep
      "ids": np.array([distrib.get_replica_context().replica_id_in_sync_group], np.float32)}, axis=0))
 report["gathered"] = [{k: np.asarray(v).tolist() for k, v in g.items()}
                       for g in strategy.experimental_local_results(gathered)]
+alone = strategy.run(lambda: distrib.get_replica_context().all_gather(  # one value, as long everywhere, along axis 1
+    np.full((1, 2), distrib.get_replica_context().replica_id_in_sync_group, np.int64), axis=1))
+report["gathered_alone"] = [np.asarray(a).tolist() for a in strategy.experimental_local_results(alone)]
 try:
     strategy.extended.reduce_to("SUM", np.ones(2, np.float32), destinations="CPU:0")
 except ValueError as exc:
