@@ -319,10 +319,11 @@ class CpuBackend(Backend):
         return execute_pack_by_pack(self, plan, per_device, devices, timeout, self._pack_all)
 
     def _one_value(self, single: tuple, arrays: list[Any], plan: Any, devices: Sequence[str],
-                   timeout: float | None) -> list[np.ndarray] | None:
+                   timeout: float | None, replicas: int | None = None) -> list[np.ndarray] | None:
         """A plan of one value, whose packing is only views, straight through the all-reduce: each device's
         result; the general route cost 100 Python calls a step. None where the arrays are not all NumPy arrays of
-        the plan's dtype (the general route converts them)."""
+        the plan's dtype (the general route converts them). An integer MEAN divides by `replicas` (default: one per
+        array)."""
         dtype, shape, float_mean = single
         first = arrays[0]
         if not all_ndarrays(arrays) or len(set(map(_DTYPE, arrays))) != 1 or dtype_name(first.dtype) != dtype:
@@ -330,7 +331,7 @@ class CpuBackend(Backend):
         reduced = self.all_reduce([array.reshape(-1) for array in arrays], plan.packing.buffers[0].chunks, devices,
                                   float_mean, timeout=timeout)
         if plan.mean and not float_mean:  # integer MEAN: the sum, then true division, as TensorFlow does
-            reduced = _shared(reduced[0] / len(arrays), len(devices))
+            reduced = _shared(reduced[0] / (replicas or len(arrays)), len(devices))
         return reduced if shape is None else [value.reshape(shape) for value in reduced]
 
     def _pack_all(self, members, buffer, devices):

@@ -166,6 +166,10 @@ class MpiBackend(CpuBackend):
                 total.setflags(write=False)  # read-only, as TensorFlow's tensors are
                 result = total if shape is None else total.reshape(shape)
                 return [[np.asarray(result / count) if plan.mean and not float_mean else result]]
+        if single is not None:  # one value of several local replicas: summed here, then across, without packing
+            reduced = self._one_value(single, [values[0] for values in per_device], plan, devices, timeout, count)
+            if reduced is not None:
+                return [[value] for value in reduced]
         buffers = plan.packing.buffers
         reductions = [self._reduction([self.pack([values[m.index] for m in buffer.members], buffer, device)
                                        for values, device in zip(per_device, devices)], buffer.chunks)
