@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import mmap
 import operator
@@ -18,7 +19,7 @@ from distrib import timeline
 from distrib.backends.base import Backend
 from distrib.backends.member_copies import MemberCopies
 from distrib.backends.packed import execute_pack_by_pack, member_views
-from distrib.backends.parallel import MIN_SHARE_BYTES, run_shares, run_split
+from distrib.backends.parallel import MIN_SHARE_BYTES, lent_team, run_shares, run_split
 from distrib.backends.device_memory import device_memory_error, gpu_location
 from distrib.backends.torch_tensors import exportable, is_torch_tensor
 from distrib.devices import parse_device
@@ -356,7 +357,10 @@ class CpuBackend(Backend):
 
     def all_gather(self, flats, devices, *, timeout=None):
         gathered = self._pool.empty((sum(f.size for f in flats),), flats[0].dtype)
-        starts = np.cumsum([0] + [f.size for f in flats]).tolist()
+        if lent_team() is None or gathered.nbytes < 2 * MIN_SHARE_BYTES:  # one share (see run_shares): one call
+            np.concatenate(flats, out=gathered)
+            return _shared(gathered, len(devices))
+        starts = list(itertools.accumulate((f.size for f in flats), initial=0))
 
         def copy_range(lo: int, hi: int) -> None:
             for flat, start, stop in zip(flats, starts, starts[1:]):
