@@ -244,7 +244,8 @@ class CollectiveAllReduce(NcclAllReduce):
         total = backend.execute(plan, [[c] for c in components], list(devices), timeout=timeout)[0][0]
         if tuple(destinations) == (HOST,):
             return [backend.to_host(total)]
-        return [backend.copy(total, d) for d in destinations]
+        # the sum is a new array on the first device already: a destination there takes it without a copy
+        return [total if k == 0 and d == devices[0] else backend.copy(total, d) for k, d in enumerate(destinations)]
 
     def batch_reduce_to_host(self, backend, op, per_replica, devices, timeout=None):
         plan = self.all_reduce_plan([(value.shape, value.dtype) for value in per_replica[0]], op, len(devices),
