@@ -19,7 +19,7 @@ from distrib import timeline
 from distrib.backends.base import Backend
 from distrib.backends.member_copies import MemberCopies
 from distrib.backends.packed import execute_pack_by_pack, member_views
-from distrib.backends.parallel import MIN_SHARE_BYTES, lent_team, run_shares, run_split
+from distrib.backends.parallel import MIN_SHARE_BYTES, run_shares, run_split
 from distrib.backends.device_memory import device_memory_error, gpu_location
 from distrib.backends.torch_tensors import exportable, is_torch_tensor
 from distrib.devices import parse_device
@@ -357,12 +357,12 @@ class CpuBackend(Backend):
 
     def all_gather(self, flats, devices, *, timeout=None):
         gathered = self._pool.empty((sum(f.size for f in flats),), flats[0].dtype)
-        if lent_team() is None or gathered.nbytes < 2 * MIN_SHARE_BYTES:  # one share (see run_shares): one call
-            np.concatenate(flats, out=gathered)
-            return _shared(gathered, len(devices))
         starts = list(itertools.accumulate((f.size for f in flats), initial=0))
 
         def copy_range(lo: int, hi: int) -> None:
+            if hi - lo == gathered.size:  # one share (no threads, or a small result): one call for the whole
+                np.concatenate(flats, out=gathered)
+                return
             for flat, start, stop in zip(flats, starts, starts[1:]):
                 if start < hi and stop > lo:
                     gathered[max(lo, start):min(hi, stop)] = flat[max(lo, start) - start:min(hi, stop) - start]

@@ -10,7 +10,6 @@ as float32.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Sequence
 
 import numpy as np
@@ -221,8 +220,7 @@ class MpiBackend(CpuBackend):
         mpi_type = self._wire(dtype)[0]
         if mpi_type is None:
             mpi_type, per_replica = self.group.MPI.BYTE, per_replica * dtype.itemsize
-        counts = [per_replica * n for n in self.group.replica_counts]
-        return (counts, list(itertools.accumulate(counts[:-1], initial=0))), mpi_type
+        return self.group.gather_counts(per_replica), mpi_type
 
     def gather_rows(self, rows, *, timeout=None):
         return self.group.gather_rows(rows, timeout)

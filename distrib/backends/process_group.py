@@ -98,13 +98,16 @@ class ProcessGroup:
         """Every rank's int64 `rows` (one per local replica, all of one width), in global replica order, by one MPI
         all-gather on the host: an all-gather's value sizes need no device copies and, on GPUs, no wait for them."""
         rows = np.ascontiguousarray(rows, np.int64)
-        width = rows.shape[1]
-        counts = [n * width for n in self.replica_counts]
-        gathered = np.empty((self.num_replicas, width), np.int64)
+        gathered = np.empty((self.num_replicas, rows.shape[1]), np.int64)
         int64 = self.MPI.INT64_T
         self.collectives.run("all_gather (sizes)", self.comm.Allgatherv, timeout, [rows, int64],
-                             [gathered, (counts, list(itertools.accumulate(counts[:-1], initial=0))), int64])
+                             [gathered, self.gather_counts(rows.shape[1]), int64])
         return gathered
+
+    def gather_counts(self, per_replica: int) -> tuple[list[int], list[int]]:
+        """(counts, displacements) by rank of an MPI all-gather of `per_replica` elements from every replica."""
+        counts = [per_replica * n for n in self.replica_counts]
+        return counts, list(itertools.accumulate(counts[:-1], initial=0))
 
     def say_last_words(self, error: BaseException) -> None:
         """Prints `error` as an uncaught exception would be, then calls `last_words` with it: for a process that
