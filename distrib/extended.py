@@ -29,6 +29,8 @@ from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_sca
                             register_leaf_type, select_replicas)
 from distrib.variables import Variable, VariableAggregation, VariableSynchronization, update_context
 
+NOT_NOW = object()  # `_run_at_once`: this run takes the general path
+
 
 class StrategyExtended(abc.ABC):
     """Additional APIs for algorithms that need to be distribution-aware: reduce_to, batch_reduce_to, ...
@@ -403,6 +405,11 @@ class StrategyExtended(abc.ABC):
     def _call_for_each_replica(self, fn: Callable, args: tuple, kwargs: dict, options: RunOptions | None = None
                                ) -> Any:
         """Runs `fn` once per replica, each in its replica context; the results regrouped."""
+
+    def _run_at_once(self, fn: Callable, args: Sequence, kwargs: dict | None) -> Any:
+        """All of `Strategy.run` without options in one call where the strategy has a path for it, else NOT_NOW
+        (then `_call_for_each_replica` runs it)."""
+        return NOT_NOW
 
     def _close(self) -> None:
         """Releases what the strategy holds (threads); nothing by default."""

@@ -16,7 +16,6 @@ replica thread that does not come back is retired and replaced, so the strategy 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from typing import Any, Sequence
@@ -29,6 +28,7 @@ from distrib.backends.parallel import lend, lent_team
 from distrib.cross_device_ops import CrossDeviceOps, default_cross_device_ops
 from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
 from distrib.extended import StrategyExtended
+from distrib.inline_runs import PID, InlineRuns
 from distrib.interrupts import deferred_interrupts
 from distrib.options import CommunicationOptions, RunOptions, default_timeout
 from distrib.replica_context import ReplicaContext
@@ -39,14 +39,9 @@ from distrib.replica_threads import (DONE, WAITING, ReplicaThread, RequestedStop
 from distrib.run_waits import POLL_SECONDS, patience, wait_for_phase
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
-from distrib.values import LEAF_TYPES, map_structure, regroup, select_replicas
+from distrib.values import map_structure, regroup, select_replicas
 
-# this process's id, kept current in a forked child: every run checks it, and os.getpid() is a system call
-_PID = [os.getpid()]
-os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
-
-
-class MirroredExtended(StrategyExtended):
+class MirroredExtended(InlineRuns, StrategyExtended):
     """StrategyExtended of MirroredStrategy: replica threads, merge_call rendezvous, timeouts."""
 
     def __init__(self, container_strategy: Strategy, backend: Backend, devices: Sequence[str],
@@ -57,12 +52,12 @@ class MirroredExtended(StrategyExtended):
         self._greenlets = threading.local()  # .replicas: each calling thread's ReplicaGreenlets
         self._cooperative_run: Any = None  # the ReplicaGreenlets of the cooperative run in progress
         self._threads: list[ReplicaThread] = []
-        self._run_lock = threading.Lock()
+        self._run_lock = threading.RLock()  # see `_run_at_once`
         self._running_thread: int | None = None
         self._inline: ReplicaContext | None = None  # the replica context of a run on the calling thread
         self._merge_error: BaseException | None = None  # the last error a merge raised in that run
         self._default_timeout = default_timeout()
-        self._pid = _PID[0]
+        self._pid = PID[0]
         self._closed = False
         self._retired_when_dropped = False  # set with the first threads, which dropping the strategy ends at once
 
@@ -75,8 +70,8 @@ class MirroredExtended(StrategyExtended):
         return "cooperative" if self._cooperative else "threads"
 
     def _ensure_threads(self) -> list[ReplicaThread]:
-        if self._pid != _PID[0]:  # forked: the threads stayed in the parent process
-            self._pid = _PID[0]
+        if self._pid != PID[0]:  # forked: the threads stayed in the parent process
+            self._pid = PID[0]
             self._threads.clear()
         if not self._threads:
             with deferred_interrupts():  # all of them or none: a run on some would wait for the others for good
@@ -95,8 +90,8 @@ class MirroredExtended(StrategyExtended):
             raise ContextError(f"Strategy.close cannot be called inside the strategy's own run (in a replica function "
                                f"or a merge_fn), which holds the strategy until it returns. Received: a call from "
                                f"{where}, on thread {threading.current_thread().name!r}. Close it after run returns.")
-        if self._pid != _PID[0]:  # forked during another thread's run: that thread and its lock are gone
-            self._run_lock, self._running_thread = threading.Lock(), None
+        if self._pid != PID[0]:  # forked during another thread's run: that thread and its lock are gone
+            self._run_lock, self._running_thread = threading.RLock(), None
         acquired = False
         try:
             while not acquired:  # waits for a run in progress on another thread to end, unless it waits for us
@@ -107,7 +102,7 @@ class MirroredExtended(StrategyExtended):
                         "Strategy.close cannot return", "Close the strategy after its run returns, from the thread "
                         "that called run.")
             self._closed = True
-            if self._pid == _PID[0]:
+            if self._pid == PID[0]:
                 retire_all(self._threads)
         finally:
             if acquired:
@@ -133,8 +128,8 @@ class MirroredExtended(StrategyExtended):
                 return self._run(fn, args, kwargs, threads, deadline)
             finally:
                 retire_all(threads)
-        if self._pid != _PID[0]:  # forked during another thread's run: that thread and its lock are gone
-            self._run_lock, self._running_thread = threading.Lock(), None
+        if self._pid != PID[0]:  # forked during another thread's run: that thread and its lock are gone
+            self._run_lock, self._running_thread = threading.RLock(), None
         wait = self._default_timeout if run_timeout is None else run_timeout
         acquired = False
         try:
@@ -250,35 +245,6 @@ class MirroredExtended(StrategyExtended):
             self._cooperative_run = None
             run.drop_references()
 
-    def _run_inline(self, fn, args, kwargs):
-        """One local replica and no run deadline: `fn` runs on the calling thread, each merge_call at once.
-
-        Nothing can run beside a single replica, so a thread for it would only add two handoffs (~100-150 µs) to
-        every run and every merge_call: the single-GPU case, and one process per GPU under mpirun.
-        """
-        strategy = self._strategy_ref()
-        first = self._first_local_replica
-        replica = ReplicaContext(strategy, first, first)
-        args = self._selected(args, 1)[0]
-        if kwargs:
-            kwargs = self._selected(kwargs, 1)[0]
-        outer, self._inline = self._inline, replica
-        stack, depth = context.push(strategy, replica)
-        try:
-            if self._host_arrays:  # emulated devices have no current device to set
-                result = fn(*args, **kwargs)
-            else:
-                with self._backend.device_scope(self._devices[0]):
-                    result = fn(*args, **kwargs)
-        except BaseException as exc:
-            if exc is not self._merge_error:
-                name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
-            raise
-        finally:
-            del stack[depth:]
-            self._inline, self._merge_error = outer, None
-        return result if type(result) in LEAF_TYPES else regroup([result])  # one array: regroup's first rule
-
     def _merge(self, run: Run, threads: list[ReplicaThread]) -> list:
         kinds = [r[0] for r in run.requests]
         if len(set(kinds)) > 1:
@@ -337,25 +303,10 @@ class MirroredExtended(StrategyExtended):
         its sums as a merge does; they are taken only for a call big enough to split, and only while no run holds
         them. Inside a merge the merge's own team stays lent; one thread has nothing to split with, a forked
         child no threads; then no context is entered at all (it would cost ~10 µs a call)."""
-        if len(self._threads) < 2 or lent_team() is not None or self._pid != _PID[0]:
+        if len(self._threads) < 2 or lent_team() is not None or self._pid != PID[0]:
             return reduction(*args)
         with lend(IdleThreadsTeam(self._threads, self._run_lock)):
             return reduction(*args)
-
-    def _merge_inline(self, kind, merge, *args):
-        """`merge(*args)` in the cross-replica context, for the replica of the run on the calling thread (`_inline`):
-        its collectives merge at once (`_rendezvous`; ReplicaContext.all_reduce of one value calls it directly)."""
-        stack, depth = context.push(self._strategy_ref(), None)  # cross-replica
-        try:
-            if timeline.recording is None:
-                return merge(*args)
-            with timeline.span(kind, "merge_call"):
-                return merge(*args)
-        except BaseException as exc:
-            self._merge_error = exc  # `_run_inline` leaves it unnamed, as `_merge` does
-            raise
-        finally:
-            del stack[depth:]
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):
         inline = self._inline

@@ -13,7 +13,7 @@ from distrib.backends import Backend, get_backend
 from distrib.backends.cpu import all_ndarrays
 from distrib.cross_device_ops import NcclAllReduce
 from distrib.errors import ContextError
-from distrib.extended import StrategyExtended
+from distrib.extended import NOT_NOW, StrategyExtended
 from distrib.input import DistributedDataset, DistributedDatasetsFromFunction, InputContext, ValueContext
 from distrib.options import CommunicationOptions, InputOptions, ReduceOp, RunOptions
 from distrib.replica_context import ReplicaContext, check_gather_shapes
@@ -92,16 +92,21 @@ class Strategy:
             raise TypeError(f"run() needs a callable fn. Received: {type(fn).__name__}.")
         if options is not None and not isinstance(options, RunOptions):
             raise TypeError(f"options must be a distrib.RunOptions. Received: {type(options).__name__}.")
-        if isinstance(args, (str, bytes)) or not isinstance(args, (list, tuple)):
+        if type(args) is not tuple and (isinstance(args, (str, bytes)) or not isinstance(args, (list, tuple))):
             raise TypeError(f"args must be a tuple or list. Received: {type(args).__name__}.")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict. Received: {type(kwargs).__name__}.")
         top = context.current()
-        if top.strategy is self and top.replica_context is not None and not context.is_default(self):
+        # `context.is_default(s)` is `s is _DEFAULT_STRATEGY` once this module is imported: a call less each time
+        if top.strategy is self and top.replica_context is not None and self is not _DEFAULT_STRATEGY:
             raise ContextError("Strategy.run cannot be called inside a replica function of the same strategy "
                                "(nested run). Call it from the cross-replica context.")
         # `with self._enter_scope()` in fewer calls: outside any scope the frame is cross-replica
-        outside = top.strategy is not self and context.is_default(top.strategy)
+        outside = top.strategy is not self and top.strategy is _DEFAULT_STRATEGY
+        if options is None and (outside or top.strategy is self):
+            result = self._extended._run_at_once(fn, args, kwargs)
+            if result is not NOT_NOW:
+                return result
         stack, depth = context.push(self, None if outside else self._scope_replica_context(top))
         try:
             return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}), options)

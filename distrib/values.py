@@ -171,13 +171,13 @@ def select_replicas(structure: Any, count: int, exact: bool = True) -> list[Any]
     if structure is None or (type(structure) in (tuple, dict) and not structure):  # no args; a merge_fn's None
         return [structure] * count
     if count == 1 and type(structure) is tuple:  # run()'s args with one local replica (one per process)
-        selected = _one_replica_args(structure, exact)
+        selected = one_replica_args(structure, exact)
         if selected is not None:
             return [selected]
     return _select(structure, range(count), count, exact=exact)
 
 
-def _one_replica_args(args: tuple, exact: bool) -> tuple | None:
+def one_replica_args(args: tuple, exact: bool) -> tuple | None:
     """The only replica's `args` when each is a one-component distributed value or an array or number, else None."""
     selected = []
     for arg in args:

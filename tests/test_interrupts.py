@@ -355,3 +355,56 @@ def test_outside_blocks_the_program_sees_its_own_sigint_handler_and_a_later_one_
     assert child.read() == {"default": True}
     assert child.read() == {"saved": True, "inside": [], "after": [signal.SIGINT], "mine": True}
     assert child.finish() == 0
+
+
+ONE_REPLICA = """
+one = distrib.MirroredStrategy(["CPU:0"])  # runs on the calling thread, its run lock taken without deferring
+
+def runs_on_another_thread(timeout=10.0):
+    results = []
+    other = threading.Thread(target=lambda: results.append(float(one.run(lambda: np.float32(2)))), daemon=True)
+    other.start()
+    other.join(timeout)
+    return results == [2.0]
+
+def interrupt_on_returning_from(names):
+    # a Ctrl-C as each C function named in `names` returns to the one-replica run: Python raises it there
+    pending = list(names)
+    def profiler(frame, event, arg):
+        if event == "c_return" and pending and arg.__name__ == pending[0] and \\
+                frame.f_code is type(one.extended)._run_at_once.__code__:
+            pending.pop(0)
+            if not pending:
+                sys.setprofile(None)
+            signal.raise_signal(signal.SIGINT)
+    sys.setprofile(profiler)
+"""
+
+
+@pytest.mark.parametrize("returning_from", [["acquire"], ["acquire", "_is_owned"]],
+                         ids=["as_the_lock_is_taken", "and_again_as_it_is_checked"])
+def test_ctrl_c_as_a_one_replica_run_takes_its_lock_leaves_the_strategy_to_every_thread(returning_from):
+    # the window `deferred_interrupts` would close, left open for speed: a Ctrl-C just after the lock is taken
+    child = Child(ONE_REPLICA + f"""
+interrupt_on_returning_from({returning_from!r})
+try:
+    one.run(lambda: np.float32(1))
+    interrupted = False
+except KeyboardInterrupt:
+    interrupted = True
+here = float(one.run(lambda: np.float32(1)))  # a second Ctrl-C left a hold: this thread's next run drops it
+report(interrupted=interrupted, here=here, other_thread=runs_on_another_thread())
+""")
+    assert child.read() == {"interrupted": True, "here": 1.0, "other_thread": True}
+    assert child.finish() == 0
+
+
+def test_ctrl_c_anywhere_in_one_replica_steps_leaves_the_strategy_to_every_thread():
+    child = Child(ONE_REPLICA + textwrap.dedent("""
+        step = lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(4, np.float32))
+        STEP = lambda: one.run(step)
+        CHECK = lambda: float(STEP()[0]) == 1.0 and runs_on_another_thread()
+    """), FAST_LOOP.format(interrupts=200, threads=0))
+    interrupt_quickly(child, 200)
+    assert child.read() == {"equal": True, "threads": 0}
+    assert child.finish() == 0
