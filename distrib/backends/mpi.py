@@ -58,23 +58,34 @@ class MpiBackend(CpuBackend):
     def __init__(self, num_local_replicas: int | None = None):
         super().__init__(num_local_replicas)
         self.group = ProcessGroup(len(self.default_devices()))
-        self._wires: dict[np.dtype, tuple[Any, Any]] = {}
+        self._wires: dict[np.dtype, tuple[Any, Any, np.dtype | None]] = {}
 
-    def _wire(self, dtype: np.dtype) -> tuple[Any, Any]:
-        """(the MPI datatype of `dtype`, or None where it travels as float32; the reduction op), memoized."""
+    def _wire(self, dtype: np.dtype) -> tuple[Any, Any, np.dtype | None]:
+        """(the MPI datatype `dtype` travels as, or None where it is converted first; the reduction op; the dtype it
+        is converted to: float32 for float16 and bfloat16, native byte order for a byte-swapped array), memoized.
+
+        MPI's datatypes describe values in this host's byte order: a byte-swapped float32 summed as MPI_FLOAT
+        would add its bytes as if they were native."""
         entry = self._wires.get(dtype)
         if entry is None:
             MPI = self.group.MPI
-            op = _MPI_TYPES.get(dtype_name(dtype), (None, "SUM"))[1]
-            entry = self._wires[dtype] = (mpi_datatype(MPI, dtype), getattr(MPI, op))
+            op = getattr(MPI, _MPI_TYPES.get(dtype_name(dtype), (None, "SUM"))[1])
+            native = dtype if dtype.isnative else dtype.newbyteorder("=")
+            mpi_type = mpi_datatype(MPI, native)
+            if mpi_type is None:
+                entry = (None, op, np.dtype(np.float32))
+            else:
+                entry = (mpi_type, op, None) if native is dtype else (None, op, native)
+            self._wires[dtype] = entry
         return entry
 
     def _buffer(self, array: np.ndarray) -> tuple[np.ndarray, list]:
-        """The array as MPI sends it (float16/bfloat16 as float32), and its [buffer, datatype] spec."""
-        mpi_type = self._wire(array.dtype)[0]
+        """The array as MPI sends it (float16/bfloat16 as float32, byte-swapped values in native order), and its
+        [buffer, datatype] spec."""
+        mpi_type, _, converted = self._wire(array.dtype)
         if mpi_type is None:
-            wire = array.astype(np.float32)
-            return wire, [wire, self.group.MPI.FLOAT]
+            wire = array.astype(converted)
+            return wire, [wire, self._wire(converted)[0]]
         return array, [array, mpi_type]
 
     def _reduction(self, flats: Sequence[np.ndarray], bounds: Sequence[tuple[int, int]]) -> tuple:
@@ -87,7 +98,7 @@ class MpiBackend(CpuBackend):
         """
         first = flats[0]
         total = self._pool.empty(first.shape, first.dtype)
-        mpi_type, op = self._wire(first.dtype)
+        mpi_type, op, _ = self._wire(first.dtype)
         whole = len(bounds) == 1 and bounds[0][1] - bounds[0][0] == first.size
         if len(flats) == 1 and whole and mpi_type is not None and first.flags.c_contiguous:
             return [([first, mpi_type], [total, mpi_type], op)], total, None  # one buffer of a batch: sent as it is
@@ -100,7 +111,7 @@ class MpiBackend(CpuBackend):
             send = first
         else:
             np.copyto(total, first)
-        wire, (_, mpi_type) = self._buffer(total)  # float16, bfloat16: summed as float32
+        wire, (_, mpi_type) = self._buffer(total)  # float16, bfloat16 summed as float32; byte-swapped as native
         in_place = self.group.MPI.IN_PLACE
         if whole:
             calls = [(in_place if send is None else [send, mpi_type], [wire, mpi_type], op)]
@@ -111,7 +122,8 @@ class MpiBackend(CpuBackend):
 
     def _sum_whole(self, flat: np.ndarray, what: str, timeout: float | None) -> np.ndarray | None:
         """One local replica's `flat` (any shape) summed across processes by one MPI call, straight from it into a
-        new writable 1-D pooled buffer; None where MPI cannot send it as it is (float16, bfloat16, not contiguous).
+        new writable 1-D pooled buffer; None where MPI cannot send it as it is (float16, bfloat16, byte-swapped, not
+        contiguous).
 
         The usual multi-worker call (one replica per process, one array or pack), kept lean: it runs right after
         the previous transfer has evicted the interpreter's working set from the caches, where every step costs
@@ -216,7 +228,7 @@ class MpiBackend(CpuBackend):
 
     def _gather_spec(self, per_replica: int, dtype: np.dtype) -> tuple[tuple[list[int], list[int]], Any]:
         """((counts, displacements), datatype) of an all-gather of `per_replica` elements per replica: bytes where
-        MPI has no type for `dtype` (float16, bfloat16)."""
+        MPI has no type for `dtype` as it is (float16, bfloat16, byte-swapped)."""
         mpi_type = self._wire(dtype)[0]
         if mpi_type is None:
             mpi_type, per_replica = self.group.MPI.BYTE, per_replica * dtype.itemsize

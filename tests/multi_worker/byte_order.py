@@ -1,0 +1,49 @@
+"""Run under `mpirun -np 2`; rank 0 writes to the JSON file argv[1], per collective, whether values in the other byte
+order (`>f4` on a little-endian host) gave what the same values in native order give: MPI's datatypes describe
+native values, so the bytes must not travel as they are."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+import distrib
+
+strategy = distrib.MultiWorkerMirroredStrategy()
+extended = strategy.extended
+report: dict = {}
+BASE = np.arange(6) * 300 + 255  # integers carry from byte to byte as they add
+
+
+def local(value) -> list[np.ndarray]:
+    return [np.asarray(v) for v in strategy.experimental_local_results(value)]
+
+
+def step(x):
+    context = distrib.get_replica_context()
+    return context.all_reduce("SUM", x), context.all_reduce("MEAN", [x, x * 2])[1], context.all_gather(x, 0)
+
+
+for name in ("float32", "float64", "int32", "int64", "float16"):
+    native = np.dtype(name)
+    swapped = native.newbyteorder("S")
+    results = {}
+    for order, dtype in (("native", native), ("swapped", swapped)):
+        values = strategy.experimental_distribute_values_from_function(
+            lambda ctx, dtype=dtype: (BASE * (ctx.replica_id_in_sync_group + 1)).astype(dtype))
+        summed, mean, gathered = strategy.run(step, args=(values,))
+        results[order] = [local(extended.reduce_to("SUM", values, values)),
+                          local(extended.reduce_to("MEAN", values, values)),
+                          [local(m) for m in extended.batch_reduce_to("SUM", [(values, values)] * 2)],
+                          np.asarray(strategy.reduce("SUM", values, axis=None)),
+                          local(summed), local(mean), local(gathered),
+                          local(extended.broadcast_to(np.arange(3).astype(dtype) + extended._group.rank, values))]
+    report[name] = all(np.array_equal(a, b) for a, b in zip(results["native"], results["swapped"]))
+    expected = BASE * sum(range(1, strategy.num_replicas_in_sync + 1))
+    report[f"{name} sums"] = bool(np.allclose(results["swapped"][0][0], expected, atol=0,  # float16 rounds
+                                              rtol=2.0 ** -10 if name == "float16" else 0))
+if extended._group.rank == 0:
+    with open(sys.argv[1], "w") as file:
+        json.dump(report, file)
