@@ -168,8 +168,10 @@ class MpiBackend(CpuBackend):
         single = plan.single
         if single is not None and len(per_device) == 1:  # one array of one local replica: the usual multi-worker
             value = per_device[0][0]  # call, straight from the array into the result
+            # the plan's dtype by name, from the memo: `dtype == "float32"` parses the string every time (2-3 µs
+            # of a 1 MB call, right after a transfer has left the caches cold)
             total = self._sum_whole(value, "all_reduce", timeout) if type(value) is np.ndarray and \
-                value.dtype == single[0] else None
+                dtype_name(value.dtype) == single[0] else None
             if total is not None:
                 _, shape, float_mean = single
                 if float_mean:
