@@ -68,6 +68,10 @@ def test_a_replica_error_is_named_and_a_merge_error_is_not(one):
 
     with pytest.raises(ValueError, match=r"^bad merge$"):
         one.run(lambda: distrib.get_replica_context().merge_call(merge_fails))
+    nccl = CommunicationOptions(implementation="NCCL")  # the emulator refuses it as the collective runs
+    for value in (np.ones(2, np.float32), [np.ones(2, np.float32)]):  # one value's shortcut, and the general route
+        with pytest.raises(distrib.errors.BackendUnavailableError, match=r"on a machine with NVIDIA GPUs\)\.$"):
+            one.run(lambda: distrib.get_replica_context().all_reduce("SUM", value, options=nccl))
     assert distrib.get_strategy() is not one  # the contexts were unwound
     assert one.run(lambda: 5) == 5  # and the strategy is usable
 
