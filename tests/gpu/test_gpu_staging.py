@@ -28,6 +28,16 @@ def test_prefetched_batches_arrive_byte_for_byte(backend, nbytes):
         np.testing.assert_array_equal(out[1].get(), batch[1])
 
 
+def test_values_in_the_other_byte_order_arrive_as_their_values(backend):
+    # CuPy copies a byte-swapped array's bytes as if they were native: both upload paths convert them first
+    values = (np.arange(6) * 300 + 255).astype(np.dtype(np.float32).newbyteorder("S")).reshape(2, 3)
+    prefetched = backend.prefetch_to_device([values, values[:, ::2]], "GPU:0")
+    placed = backend.to_device(values, "GPU:0")
+    with backend.device_scope("GPU:0"):
+        for out, expected in zip([*prefetched, placed], [values, values[:, ::2], values]):
+            np.testing.assert_array_equal(out.get(), expected)
+
+
 def test_pinned_buffers_are_reused_once_their_copies_have_completed(backend):
     batch = [np.ones(2 * staging.CHUNK_BYTES, np.uint8)]
     backend.prefetch_to_device(batch, "GPU:0")

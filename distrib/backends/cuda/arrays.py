@@ -46,10 +46,16 @@ def _torch_as_cupy(tensor: Any) -> cupy.ndarray:
     return array if dtype is None else array.view(dtype)
 
 
+def in_native_order(host: np.ndarray) -> np.ndarray:
+    """`host` with its values in this machine's byte order (a copy only where they are not): CuPy copies a
+    byte-swapped array's bytes as if they were native (cupy/cupy#9014), so a `>f4` batch arrived as garbage."""
+    return host if host.dtype.isnative else host.astype(host.dtype.newbyteorder("="))
+
+
 def upload(host: np.ndarray) -> cupy.ndarray:
     """A host array copied to the current device; a dtype CuPy cannot hold is a TypeError naming it."""
     try:
-        return cupy.asarray(host)
+        return cupy.asarray(in_native_order(host))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"CuPy {cupy.__version__} cannot hold dtype {host.dtype} on a GPU. Received: an array of "
                         f"dtype {host.dtype} and shape {host.shape}.") from exc

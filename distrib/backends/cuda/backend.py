@@ -14,8 +14,8 @@ from distrib.backends.base import Backend
 from distrib.backends.cuda import devices as cuda_devices
 from distrib.backends.cuda import errors as cuda_errors
 from distrib.backends.cuda import nccl as nccl_comms
-from distrib.backends.cuda.arrays import (aligned, all_contiguous, all_on, as_cupy, contiguous, device_id, on_gpu,
-                                         upload)
+from distrib.backends.cuda.arrays import (aligned, all_contiguous, all_on, as_cupy, contiguous, device_id,
+                                         in_native_order, on_gpu, upload)
 from distrib.backends.cuda.collectives import NcclCollectives
 from distrib.backends.cuda.results import Outputs
 from distrib.backends.cpu import to_numpy
@@ -198,7 +198,7 @@ class CudaBackend(NcclCollectives, Backend):
                 if on_gpu(value):
                     out.append(self.to_device(value, device))
                     continue
-                host = to_numpy(value)
+                host = in_native_order(to_numpy(value))  # the copy below moves bytes: native ones
                 if not host.flags.c_contiguous:  # np.ascontiguousarray alone would make a 0-d array 1-d
                     host = np.ascontiguousarray(host)
                 with stream:
