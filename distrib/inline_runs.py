@@ -74,7 +74,8 @@ class InlineRuns:
 
     def _merge_inline(self, kind, merge, *args):
         """`merge(*args)` in the cross-replica context, for the replica of the run on the calling thread (`_inline`):
-        its collectives merge at once (`_rendezvous`; ReplicaContext.all_reduce of one value calls it directly)."""
+        its collectives merge at once (`_rendezvous`; ReplicaContext.all_reduce of one value calls it only while a
+        timeline records, for the span, and else calls the cross-device op itself)."""
         stack, depth = context.push(self._strategy_ref(), None)  # cross-replica
         try:
             if timeline.recording is None:

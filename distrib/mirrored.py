@@ -41,6 +41,7 @@ from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
 from distrib.values import map_structure, regroup, select_replicas
 
+
 class MirroredExtended(InlineRuns, StrategyExtended):
     """StrategyExtended of MirroredStrategy: replica threads, merge_call rendezvous, timeouts."""
 
