@@ -458,3 +458,25 @@ def test_a_one_value_batch_reuses_the_last_plan_only_for_the_same_request():
         out = op.batch_all_reduce(backend, reduce_op, [[value], [value]], devices, options)
         assert asked[-1] is op.all_reduce_plan([(value.shape, value.dtype)], reduce_op, 2, options)
         np.testing.assert_array_equal(out[1][0], value * (2 if reduce_op is ReduceOp.SUM else 1))
+
+
+@pytest.mark.parametrize("devices", [["CPU:0"], ["CPU:0", "CPU:1"]])
+@pytest.mark.parametrize("ops", OPS)
+def test_values_in_the_other_byte_order_reduce_to_native_results_on_every_route(devices, ops):
+    # as TensorFlow, whose tensors are native: `result.dtype == np.float32` holds whatever order the input had
+    strategy = distrib.MirroredStrategy(devices, cross_device_ops=ops())
+    swapped = np.dtype(np.float32).newbyteorder("S")
+    base = np.arange(6, dtype=np.float32) * 300 + 255
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (base * (ctx.replica_id_in_sync_group + 1)).astype(swapped))
+    ctx = distrib.get_replica_context
+    results = [*strategy.extended.reduce_to("SUM", values, values).values,
+               *[m.values[0] for m in strategy.extended.batch_reduce_to("SUM", [(values, values)] * 2)],
+               strategy.reduce("SUM", values, axis=None),
+               *strategy.experimental_local_results(strategy.run(lambda x: ctx().all_reduce("SUM", x), (values,))),
+               *strategy.experimental_local_results(strategy.run(lambda x: ctx().all_reduce("SUM", [x])[0],
+                                                                 (values,)))]
+    total = base * sum(range(1, len(devices) + 1))
+    for result in results:
+        assert np.asarray(result).dtype == np.float32
+        np.testing.assert_array_equal(result, total)

@@ -329,7 +329,7 @@ def test_values_in_the_other_byte_order_reduce_gather_and_broadcast_as_native_on
     done = mpirun("byte_order.py", str(tmp_path / "report.json"), replicas=replicas)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report) == 10 and all(report.values()), [name for name, ok in report.items() if not ok]
+    assert len(report) == 15 and all(report.values()), [name for name, ok in report.items() if not ok]
 
 
 def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each):

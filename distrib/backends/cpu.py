@@ -262,8 +262,9 @@ class CpuBackend(Backend):
         return self._pool.empty(shape, dtype)
 
     def copy(self, array, device):
-        out = self._pool.empty(np.shape(array), np.asarray(array).dtype)
-        np.copyto(out, array)
+        dtype = np.asarray(array).dtype
+        out = self._pool.empty(np.shape(array), dtype if dtype.isnative else dtype.newbyteorder("="))  # native,
+        np.copyto(out, array)  # as every other route's results (and TensorFlow's tensors) are
         return out
 
     def pack(self, arrays, buffer: Buffer, device):
@@ -327,7 +328,8 @@ class CpuBackend(Backend):
         integer MEAN divides by `replicas` (default: one per array)."""
         dtype, shape, float_mean = single
         first = arrays[0]
-        if not all_ndarrays(arrays) or len(set(map(_DTYPE, arrays))) != 1 or dtype_name(first.dtype) != dtype:
+        if not all_ndarrays(arrays) or len(set(map(_DTYPE, arrays))) != 1 or dtype_name(first.dtype) != dtype or \
+                not first.dtype.isnative:  # byte-swapped: the packed route gives native results, as TensorFlow
             return None
         reduced = self.all_reduce([array.reshape(-1) for array in arrays], plan.packing.buffers[0].chunks, devices,
                                   float_mean, timeout=timeout)

@@ -1,6 +1,6 @@
 """Run under `mpirun -np 2`; rank 0 writes to the JSON file argv[1], per collective, whether values in the other byte
-order (`>f4` on a little-endian host) gave what the same values in native order give: MPI's datatypes describe
-native values, so the bytes must not travel as they are."""
+order (`>f4` on a little-endian host) gave what the same values in native order give, in native order as
+TensorFlow's tensors are: MPI's datatypes describe native values, so the bytes must not travel as they are."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ BASE = np.arange(6) * 300 + 255  # integers carry from byte to byte as they add
 
 def local(value) -> list[np.ndarray]:
     return [np.asarray(v) for v in strategy.experimental_local_results(value)]
+
+
+def arrays(nested) -> list:
+    return [a for item in nested for a in arrays(item)] if isinstance(nested, list) else [nested]
 
 
 def step(x):
@@ -41,6 +45,7 @@ for name in ("float32", "float64", "int32", "int64", "float16"):
                           local(summed), local(mean), local(gathered),
                           local(extended.broadcast_to(np.arange(3).astype(dtype) + extended._group.rank, values))]
     report[name] = all(np.array_equal(a, b) for a, b in zip(results["native"], results["swapped"]))
+    report[f"{name} native results"] = all(np.asarray(a).dtype.isnative for a in arrays(results["swapped"]))
     expected = BASE * sum(range(1, strategy.num_replicas_in_sync + 1))
     report[f"{name} sums"] = bool(np.allclose(results["swapped"][0][0], expected, atol=0,  # float16 rounds
                                               rtol=2.0 ** -10 if name == "float16" else 0))
