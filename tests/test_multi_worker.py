@@ -332,6 +332,14 @@ def test_values_in_the_other_byte_order_reduce_gather_and_broadcast_as_native_on
     assert len(report) == 15 and all(report.values()), [name for name, ok in report.items() if not ok]
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_arrays_past_mpis_count_limit_travel_in_pieces_with_the_same_results(tmp_path, replicas):
+    done = mpirun("count_limit.py", str(tmp_path / "report.json"), replicas=replicas)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report) == 28 and all(report.values()), [name for name, ok in report.items() if not ok]
+
+
 def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each):
     announcements, report = one_replica_each
     flood = report["flood"]

@@ -20,6 +20,23 @@ from distrib.backends.process_group import ProcessGroup
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, AllReducePlan, dtype_name
 
+# elements per MPI call (read at each call): MPI-3 counts are C ints, and Open MPI 4.1 refuses a larger one with
+# "MPI_ERR_ARG: invalid argument of some other kind", so larger arrays travel in several calls
+MAX_COUNT = 2**31 - 1
+
+
+def pieces(bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`bounds` with every (start, stop) longer than MAX_COUNT cut into consecutive pieces no longer.
+
+    Example:
+      >>> pieces([(0, 2**32), (2**32, 2**32)])
+      [(0, 2147483647), (2147483647, 4294967294), (4294967294, 4294967296), (4294967296, 4294967296)]
+    """
+    limit = MAX_COUNT
+    return [piece for start, stop in bounds
+            for piece in ([(a, min(a + limit, stop)) for a in range(start, stop, limit)] or [(start, stop)])]
+
+
 # dtype name -> (mpi4py datatype name, reduction op name); the others travel as float32
 _MPI_TYPES = {
     "float32": ("FLOAT", "SUM"), "float64": ("DOUBLE", "SUM"),
@@ -99,6 +116,8 @@ class MpiBackend(CpuBackend):
         first = flats[0]
         total = self._pool.empty(first.shape, first.dtype)
         mpi_type, op, _ = self._wire(first.dtype)
+        if first.size > MAX_COUNT:
+            bounds = pieces(bounds)
         whole = len(bounds) == 1 and bounds[0][1] - bounds[0][0] == first.size
         if len(flats) == 1 and whole and mpi_type is not None and first.flags.c_contiguous:
             return [([first, mpi_type], [total, mpi_type], op)], total, None  # one buffer of a batch: sent as it is
@@ -122,8 +141,8 @@ class MpiBackend(CpuBackend):
 
     def _sum_whole(self, flat: np.ndarray, what: str, timeout: float | None) -> np.ndarray | None:
         """One local replica's `flat` (any shape) summed across processes by one MPI call, straight from it into a
-        new writable 1-D pooled buffer; None where MPI cannot send it as it is (float16, bfloat16, byte-swapped, not
-        contiguous).
+        new writable 1-D pooled buffer; None where MPI cannot send it as it is in one call (float16, bfloat16,
+        byte-swapped, not contiguous, more than MAX_COUNT elements).
 
         The usual multi-worker call (one replica per process, one array or pack), kept lean: it runs right after
         the previous transfer has evicted the interpreter's working set from the caches, where every step costs
@@ -131,7 +150,7 @@ class MpiBackend(CpuBackend):
         """
         wire = self._wires.get(flat.dtype) or self._wire(flat.dtype)
         mpi_type = wire[0]
-        if mpi_type is None or not flat.flags.c_contiguous:
+        if mpi_type is None or flat.size > MAX_COUNT or not flat.flags.c_contiguous:
             return None
         total = self._pool.take(flat.nbytes).view(flat.dtype)  # 1-D, no shape arithmetic: `empty` does more
         self.group.collectives.run(what, self.group.comm.Allreduce, timeout, [flat, mpi_type], [total, mpi_type],
@@ -225,7 +244,15 @@ class MpiBackend(CpuBackend):
         else:
             np.concatenate([flat.reshape(-1) for flat in flats], out=mine)
         spec = self._gather_spec(per_replica, first.dtype)
-        group.run("all_gather", group.comm.Allgatherv, timeout, group.MPI.IN_PLACE, [gathered, *spec])
+        (counts, starts), mpi_type = spec
+        if sum(counts) <= MAX_COUNT:
+            group.run("all_gather", group.comm.Allgatherv, timeout, group.MPI.IN_PLACE, [gathered, *spec])
+        else:  # displacements past a C int: each rank's block broadcast from it, in pieces (the same bytes moved)
+            units = gathered.view(np.uint8) if mpi_type is group.MPI.BYTE else gathered
+            blocks = [(rank, a, b) for rank, (count, start) in enumerate(zip(counts, starts))
+                      for a, b in pieces(((start, start + count),))]
+            group.run("all_gather", lambda: [group.comm.Bcast([units[a:b], mpi_type], root=rank)
+                                             for rank, a, b in blocks], timeout)
         return shared_views(gathered, len(devices))
 
     def _gather_spec(self, per_replica: int, dtype: np.dtype) -> tuple[tuple[list[int], list[int]], Any]:
@@ -252,8 +279,10 @@ class MpiBackend(CpuBackend):
         """Rank 0's `array` on every device of every process (each rank passes an array of the same shape)."""
         group = self.group
         out = self.copy(array, devices[0])
-        wire, spec = self._buffer(out)
-        group.run("broadcast", lambda: group.comm.Bcast(spec, root=0), timeout)
+        wire, (_, mpi_type) = self._buffer(out)
+        flat = wire.reshape(-1)
+        group.run("broadcast", lambda: [group.comm.Bcast([flat[a:b], mpi_type], root=0)
+                                        for a, b in pieces(((0, flat.size),))], timeout)
         if wire is not out:
             np.copyto(out, wire, casting="unsafe")
         return shared_views(out, len(devices))
