@@ -179,6 +179,17 @@ class ReplicaContext:
             differ off `axis`.
         """
         self._require_current("all_gather")
+        host = self._strategy._extended
+        if host._inline is self and type(value) is np.ndarray and host._host_arrays and timeline.recording is None:
+            # one NumPy array in a run on the calling thread: `_collective`'s steps for it, as all_reduce takes
+            # them (the check of its rank and axis that the merge makes; no closures, rendezvous or frame)
+            options = host._options if options is None else host._merged_options(options)
+            try:
+                check_gather_shapes("all_gather", [value.shape], [value.dtype], axis, ())
+                return host._batch_all_gather([[value]], axis, options)[0][0]
+            except BaseException as exc:
+                host._merge_error = exc  # a merge's error: the run leaves it unnamed, as `_merge_inline` does
+                raise
         return self._collective("all_gather", value, options, None,
                                 lambda per_replica, merged: self._host._batch_all_gather(per_replica, axis, merged),
                                 gather_axis=axis, arguments=(("axis", axis),))

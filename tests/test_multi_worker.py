@@ -321,7 +321,7 @@ def test_one_replica_fast_paths_give_the_general_routes_results(tmp_path):
     done = mpirun("one_replica_fast_paths.py", str(tmp_path / "report.json"), replicas=1)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report) == 78 and all(report.values()), [name for name, ok in report.items() if not ok]
+    assert len(report) == 92 and all(report.values()), [name for name, ok in report.items() if not ok]
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

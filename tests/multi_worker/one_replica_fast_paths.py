@@ -1,6 +1,6 @@
 """Run under `mpirun -np 2` with one emulated replica per process; rank 0 writes to the JSON file argv[1] whether each
-one-replica fast path (reduce_to of one array, all_reduce of one value in a run, batch_reduce_to of plain arrays)
-gave the general route's result."""
+one-replica fast path (reduce_to of one array, all_reduce and all_gather of one value in a run, batch_reduce_to of
+plain arrays) gave the general route's result."""
 
 from __future__ import annotations
 
@@ -49,6 +49,26 @@ for dtype in ("float32", "float64", "int32", "float16"):
 
             fast, general = strategy.run(step, args=(per_replica,))
             report[f"run all_reduce {case}"] = same(fast, general)
+# all_gather of one array: the same as of a list of it (the general route), along each axis, lengths differing
+for dtype in ("float32", "int32", "float16", "bool"):
+    for shape, axis in (((5,), 0), ((2, 3), 1), ((2, 3), -2)):
+        grown = tuple(n + rank if k == axis % len(shape) else n for k, n in enumerate(shape))  # ragged across ranks
+        value = (np.arange(int(np.prod(grown))).reshape(grown) * (rank + 1)).astype(dtype)
+        per_replica = strategy.experimental_distribute_values_from_function(lambda ctx: value)
+
+        def gather(x, axis=axis):
+            context = distrib.get_replica_context()
+            return context.all_gather(x, axis), context.all_gather([x], axis)[0]
+
+        fast, general = strategy.run(gather, args=(per_replica,))
+        report[f"all_gather of {dtype}{list(shape)} along {axis}"] = same(fast, general)
+scalar = strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(rank))
+for axis in (0, 3):
+    one = error_of(lambda: strategy.run(lambda x: distrib.get_replica_context().all_gather(np.asarray(x), axis),
+                                        args=(scalar,)))
+    listed = error_of(lambda: strategy.run(lambda x: distrib.get_replica_context().all_gather([np.asarray(x)], axis),
+                                           args=(scalar,)))
+    report[f"all_gather error along {axis}"] = one == listed.replace("path [0]", "path <root>") != "no error"
 # a step's gradients as `run` returns them with one replica per process, plain arrays, reduced onto variables in
 # one batch_reduce_to: checked in bulk, and the same as value by value (the general route)
 plain = [(np.arange(6).reshape(2, 3) * (rank + 1) + k).astype(dtype)
