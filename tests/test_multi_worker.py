@@ -317,27 +317,26 @@ def test_one_replica_per_process_all_reduces_as_one_process(one_replica_each):
     assert len(checks) == 16 and all(checks.values()), checks
 
 
-def test_one_replica_fast_paths_give_the_general_routes_results(tmp_path):
-    done = mpirun("one_replica_fast_paths.py", str(tmp_path / "report.json"), replicas=1)
+def assert_every_check_passes(program: str, tmp_path, checks: int, replicas: int) -> None:
+    """`program` (rank 0 writes {check: passed} to the JSON file it is given) made `checks` checks, all passed."""
+    done = mpirun(program, str(tmp_path / "report.json"), replicas=replicas)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report) == 92 and all(report.values()), [name for name, ok in report.items() if not ok]
+    assert len(report) == checks and all(report.values()), [name for name, ok in report.items() if not ok]
+
+
+def test_one_replica_fast_paths_give_the_general_routes_results(tmp_path):
+    assert_every_check_passes("one_replica_fast_paths.py", tmp_path, 92, replicas=1)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_values_in_the_other_byte_order_reduce_gather_and_broadcast_as_native_ones(tmp_path, replicas):
-    done = mpirun("byte_order.py", str(tmp_path / "report.json"), replicas=replicas)
-    assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report) == 15 and all(report.values()), [name for name, ok in report.items() if not ok]
+    assert_every_check_passes("byte_order.py", tmp_path, 15, replicas)
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_arrays_past_mpis_count_limit_travel_in_pieces_with_the_same_results(tmp_path, replicas):
-    done = mpirun("count_limit.py", str(tmp_path / "report.json"), replicas=replicas)
-    assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report) == 28 and all(report.values()), [name for name, ok in report.items() if not ok]
+    assert_every_check_passes("count_limit.py", tmp_path, 28, replicas)
 
 
 def test_announcements_far_ahead_of_a_peer_all_arrive_in_order(one_replica_each):
