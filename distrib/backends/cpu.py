@@ -108,6 +108,12 @@ class BufferPool:
             self._total = 0
 
 
+def native_order(dtype: np.dtype) -> np.dtype:
+    """`dtype` in this machine's byte order: itself where it is already (results, MPI's datatypes and CuPy all
+    take values in native order, as TensorFlow's tensors are)."""
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
 def to_numpy(value: Any) -> np.ndarray:
     """Any array-like in host memory (NumPy, a NumPy scalar, a Python number, a torch tensor, DLPack) as NumPy.
 
@@ -262,9 +268,8 @@ class CpuBackend(Backend):
         return self._pool.empty(shape, dtype)
 
     def copy(self, array, device):
-        dtype = np.asarray(array).dtype
-        out = self._pool.empty(np.shape(array), dtype if dtype.isnative else dtype.newbyteorder("="))  # native,
-        np.copyto(out, array)  # as every other route's results (and TensorFlow's tensors) are
+        out = self._pool.empty(np.shape(array), native_order(np.asarray(array).dtype))
+        np.copyto(out, array)
         return out
 
     def pack(self, arrays, buffer: Buffer, device):

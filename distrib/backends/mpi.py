@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from distrib.backends.cpu import CpuBackend, _shared as shared_views
+from distrib.backends.cpu import CpuBackend, native_order, _shared as shared_views
 from distrib.backends.packed import FLOAT_PREFIXES, unpack_into
 from distrib.backends.process_group import ProcessGroup
 from distrib.errors import BackendUnavailableError
@@ -87,7 +87,7 @@ class MpiBackend(CpuBackend):
         if entry is None:
             MPI = self.group.MPI
             op = getattr(MPI, _MPI_TYPES.get(dtype_name(dtype), (None, "SUM"))[1])
-            native = dtype if dtype.isnative else dtype.newbyteorder("=")
+            native = native_order(dtype)
             mpi_type = mpi_datatype(MPI, native)
             if mpi_type is None:
                 entry = (None, op, np.dtype(np.float32))

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import cupy
 import numpy as np
 
+from distrib.backends.cpu import native_order
 from distrib.backends.torch_tensors import exportable, is_torch_tensor, torch_device
 
 _CUDA_DLPACK_DEVICES = (2, 3, 13)  # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
@@ -49,7 +50,8 @@ def _torch_as_cupy(tensor: Any) -> cupy.ndarray:
 def in_native_order(host: np.ndarray) -> np.ndarray:
     """`host` with its values in this machine's byte order (a copy only where they are not): CuPy copies a
     byte-swapped array's bytes as if they were native (cupy/cupy#9014), so a `>f4` batch arrived as garbage."""
-    return host if host.dtype.isnative else host.astype(host.dtype.newbyteorder("="))
+    native = native_order(host.dtype)
+    return host if native is host.dtype else host.astype(native)
 
 
 def upload(host: np.ndarray) -> cupy.ndarray:
