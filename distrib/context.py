@@ -84,6 +84,25 @@ def push(strategy: Any, replica_context: Any) -> tuple[list[Frame], int]:
     return stack, depth
 
 
+def push_run(strategy: Any, replica_context: Any) -> tuple[list[Frame], int] | None:
+    """`push`es the frame of a run of `strategy` on the calling thread where a run may start as it is: outside any
+    strategy's scope, or cross-replica in `strategy`'s. None, pushing nothing, anywhere else (in a replica
+    function, in another strategy's scope), where `Strategy.run`'s general path says what to do.
+
+    `current`, the check and `push` in one call: a run of one replica asks right after a transfer has left the
+    caches cold. As safe from Ctrl-C as `push`."""
+    try:
+        stack = _local.stack
+    except AttributeError:
+        stack = _stack()
+    top = stack[-1]
+    if top.strategy is not _default[0].strategy and (top.strategy is not strategy or top.replica_context is not None):
+        return None
+    depth = len(stack)
+    stack += (_new_frame((strategy, replica_context)),)
+    return stack, depth
+
+
 class frame:
     """Pushes a frame for the duration of the block (restored even if the block raises).
 

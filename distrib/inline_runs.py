@@ -28,7 +28,8 @@ class InlineRuns:
     def _run_at_once(self, fn, args, kwargs):
         """Strategy.run without options, with one local replica: `_run_inline` straight from it (each call left out
         costs microseconds right after a transfer has left the caches cold). NOT_NOW where the general path has
-        more to do: a run in progress (nested or on another thread), a closed strategy, a fork, a timeline."""
+        more to do: a run in progress (nested or on another thread), a closed strategy, a fork, a timeline, a
+        frame no run starts from as it is (a replica function, another strategy's scope: see `_run_inline`)."""
         if len(self._devices) != 1 or self._running_thread is not None or self._pid != PID[0] or \
                 timeline.recording is not None:
             return NOT_NOW
@@ -48,25 +49,30 @@ class InlineRuns:
                 lock._release_save()  # every hold this thread has (RLock's, as threading.Condition uses it)
 
     def _run_inline(self, fn, args, kwargs):
-        """`fn` on the calling thread in the replica's context, the run lock held by the caller."""
+        """`fn` on the calling thread in the replica's context, the run lock held by the caller; NOT_NOW, having
+        done nothing, where no run may start from the current frame (see `context.push_run`)."""
         strategy = self._strategy_ref()
         first = self._first_local_replica
         replica = ReplicaContext(strategy, first, first)
-        selected = one_replica_args(args, True) if self._host_arrays and type(args) is tuple else None
-        args = self._selected(args, 1)[0] if selected is None else selected
-        kwargs = self._selected(kwargs, 1)[0] if kwargs else {}
+        pushed = context.push_run(strategy, replica)
+        if pushed is None:
+            return NOT_NOW
+        stack, depth = pushed
         outer, self._inline = self._inline, replica
-        stack, depth = context.push(strategy, replica)
         try:
-            if self._host_arrays:  # emulated devices have no current device to set
-                result = fn(*args, **kwargs)
-            else:
-                with self._backend.device_scope(self._devices[0]):
+            selected = one_replica_args(args, True) if self._host_arrays and type(args) is tuple else None
+            args = self._selected(args, 1)[0] if selected is None else selected  # its errors are not the replica's
+            kwargs = self._selected(kwargs, 1)[0] if kwargs else {}
+            try:
+                if self._host_arrays:  # emulated devices have no current device to set
                     result = fn(*args, **kwargs)
-        except BaseException as exc:
-            if exc is not self._merge_error:
-                name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
-            raise
+                else:
+                    with self._backend.device_scope(self._devices[0]):
+                        result = fn(*args, **kwargs)
+            except BaseException as exc:
+                if exc is not self._merge_error:
+                    name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
+                raise
         finally:
             del stack[depth:]
             self._inline, self._merge_error = outer, None
