@@ -5,8 +5,9 @@ too; only then does it make the blocking, fast MPI call, which every peer is abo
 never announces it within the timeout is named in a DeadlineExceededError. Peers on the same host read the number
 from a slot in memory they share (a file they all map): one store to announce, one load per peer to check, no
 MPI call. Peers on other hosts get it as an 8-byte message (restarting one persistent send per peer, polling
-pre-posted persistent receives). At 1 MB across two processes here, messages cost about 8 µs per collective,
-slots 2 µs. `$DISTRIB_MPI_ANNOUNCEMENTS=messages` sends messages to every peer. (Open MPI's non-blocking
+pre-posted persistent receives). At 1 MB across two processes here (timed right after a barrier, caches cold),
+messages cost about 9 µs per collective and slots about 5 µs, the call's lock and its record for the watchdog
+included. `$DISTRIB_MPI_ANNOUNCEMENTS=messages` sends messages to every peer. (Open MPI's non-blocking
 collectives, which could be polled directly, moved a 1 MB buffer 3-5 times slower than its blocking ones in
 back-to-back loops, and 25-30 % slower timed call by call after a barrier: either way more than an announcement
 costs.)
