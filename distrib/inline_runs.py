@@ -70,8 +70,8 @@ class InlineRuns:
                     with self._backend.device_scope(self._devices[0]):
                         result = fn(*args, **kwargs)
             except BaseException as exc:
-                if exc is not self._merge_error:
-                    name_replica(exc, 0, 1)  # raised by the replica; a merge's error stays unnamed, as `_merge` leaves it
+                if exc is not self._merge_error:  # raised by the replica; a merge's error stays unnamed, as `_merge`
+                    name_replica(exc, 0, 1)  # leaves it
                 raise
         finally:
             del stack[depth:]

@@ -70,7 +70,8 @@ class Channel:
     def __init__(self, group: Any, name: str, oversubscribed: bool = False):
         MPI = group.MPI
         self.group, self.name, self._yield = group, name, oversubscribed
-        self._quick_polls = range(0 if oversubscribed else QUICK_POLLS)  # spinning on a shared core only delays the peer
+        # polls made at once: on a shared core (oversubscribed) spinning only delays the peer
+        self._quick_polls = range(0 if oversubscribed else QUICK_POLLS)
         self.comm = MPI.COMM_WORLD.Dup()
         self._board = MPI.COMM_WORLD.Dup()
         self.sequence = 0  # collectives announced so far
