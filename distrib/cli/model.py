@@ -39,6 +39,12 @@ class MLP:
 
     def loss_and_gradients(self, x, y, dtype) -> tuple:
         """The mean cross-entropy over this batch, and its float32 gradients in the order of `variables`."""
+        # overflow and NaN pass silently: the training loop stops at a non-finite loss in one line naming the step,
+        # which NumPy's warnings would only precede
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            return self._loss_and_gradients(x, y, dtype)
+
+    def _loss_and_gradients(self, x, y, dtype) -> tuple:
         xp = self.xp
         w1, b1, w2, b2 = self._weights(dtype)
         x = x.astype(dtype, copy=False)
