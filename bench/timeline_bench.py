@@ -1,17 +1,19 @@
-"""What the collective timeline costs: per hook while off, and per strategy.run step off, stripped and on.
+"""What the collective timeline costs: per hook and per strategy.run step, with the timeline off and recording.
 
 python3 bench/timeline_bench.py            # 4 emulated replicas; about a minute
 python3 bench/timeline_bench.py --quick
 
-Three measurements, all in one process on the CPU emulator:
-1. One hook while no timeline records: a timed backend method against the same method unwrapped
-   (`method.__wrapped__`): packing one 4-element array, which is a view, and an empty `with timeline.span(...)`
-   against an empty call;
-   the fastest of 15 loops of 20,000 calls each, since these are tens of nanoseconds.
+The backend's timed methods are wrapped only while a timeline records (`timeline.instrument`): while it is off the
+classes hold their own methods, so a backend call costs nothing more, and what a step still pays is the spans'
+check that nothing records. Three measurements, all in one process on the CPU emulator:
+1. Per hook: an empty `with timeline.span(...)` while off, against an empty call; and, while recording, a timed
+   backend method (packing one 4-element array, which is a view) against the class's own method. The fastest of
+   15 loops of 20,000 calls each, since these are tens of nanoseconds to microseconds.
 2. `strategy.run` per step for three workloads (an empty merge_call, one all_reduce of 1M float32, a batched
-   all_reduce of 200 x 1,000 float32) with the timeline off, with the backend's hooks stripped (the methods
-   replaced by their unwrapped originals: the baseline of "no hooks"), and recording.
-3. Hooks per step, counted from the events one recorded step leaves, times the per-hook cost of 1.
+   all_reduce of 200 x 1,000 float32) with the timeline off and recording; off, it checks that every timed method
+   is the class's own.
+3. Spans per step, counted from the events one recorded step leaves, times the cost of a span while off: the
+   timeline's whole cost to a step while off.
 
 Writes bench/results/timeline-<date>-cpu.json.
 """
@@ -48,14 +50,21 @@ def best_ns(statement, number: int = 20000, repeats: int = 15) -> float:
     return min(timeit.repeat(statement, number=number, repeat=repeats)) / number * 1e9
 
 
-def hook_costs() -> dict[str, float]:
-    """The cheapest timed backend method (packing one array is a view) with and without its hook, and a span."""
+def hook_costs(folder: str) -> dict[str, float]:
+    """An empty span while off, and the cheapest timed backend method (packing one array is a view) while
+    recording, each against what it adds to."""
     backend = CpuBackend()
     (buffer,) = plan_concat_split([((4,), np.dtype(np.float32))], 1).buffers
     arrays = [np.ones(4, np.float32)]
-    wrapped, original = CpuBackend.pack, CpuBackend.pack.__wrapped__
-    timed_ns = best_ns(lambda: wrapped(backend, arrays, buffer, "CPU:0"))
-    bare_ns = best_ns(lambda: original(backend, arrays, buffer, "CPU:0"))
+    own = CpuBackend.pack
+    timeline.start(os.path.join(folder, "hooks.json"))
+    try:
+        wrapped = CpuBackend.pack
+        assert getattr(wrapped, "timed_as", None) == "pack", "pack is not timed while recording"
+        recording_ns = best_ns(lambda: wrapped(backend, arrays, buffer, "CPU:0"), number=2000)
+    finally:
+        timeline.stop()
+    bare_ns = best_ns(lambda: own(backend, arrays, buffer, "CPU:0"))
 
     def with_span():
         with timeline.span("x", "y"):
@@ -63,8 +72,14 @@ def hook_costs() -> dict[str, float]:
 
     span_ns = best_ns(with_span)
     empty_ns = best_ns(lambda: None)
-    return {"backend_hook_ns": round(timed_ns - bare_ns, 1), "span_ns": round(span_ns - empty_ns, 1),
+    return {"span_off_ns": round(span_ns - empty_ns, 1), "backend_hook_recording_ns": round(recording_ns - bare_ns, 1),
             "pack_one_array_ns": round(bare_ns, 1)}
+
+
+def check_unwrapped() -> None:
+    """While no timeline records, every timed backend method is the class's own: a call costs nothing more."""
+    wrapped = [name for name in TIMED if hasattr(getattr(CpuBackend, name, None), "timed_as")]
+    assert not wrapped, f"timed while no timeline records: {wrapped}"
 
 
 def workloads(strategy):
@@ -80,39 +95,26 @@ def workloads(strategy):
             "batch_200x1000": lambda: strategy.run(all_reduce, args=(batch,))}
 
 
-def stripped():
-    """The backend's timed methods replaced by their originals for the duration (the no-hook baseline)."""
-    saved = {name: getattr(CpuBackend, name) for name in TIMED}
-    for name, method in saved.items():
-        setattr(CpuBackend, name, method.__wrapped__)
-    return saved
-
-
-def per_step(repeats: int, seconds: float) -> dict[str, dict]:
+def per_step(repeats: int, seconds: float, folder: str) -> dict[str, dict]:
     strategy = distrib.MirroredStrategy([f"CPU:{i}" for i in range(REPLICAS)])
     out = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for name, step in workloads(strategy).items():
-            row = {"off_us": per_step_us(step, repeats, seconds)}
-            saved = stripped()
-            try:
-                row["hooks_stripped_us"] = per_step_us(step, repeats, seconds)
-            finally:
-                for method_name, method in saved.items():
-                    setattr(CpuBackend, method_name, method)
-            timeline.start(os.path.join(folder, "t.json"))
-            try:
-                row["recording_us"] = per_step_us(step, repeats, seconds)
-            finally:
-                timeline.stop()
-            timeline.start(os.path.join(folder, "one.json"))
-            step()
-            events = json.loads(Path(timeline.stop()).read_text())["traceEvents"]
-            backend_events = {(e["name"], e["ts"]) for e in events if e["ph"] == "X" and e["cat"] in
-                              ("collective", "pack", "plan")}  # one hook call records one event per device
-            row["span_hooks_per_step"] = sum(e["ph"] == "X" and e["cat"] in ("run", "merge_call") for e in events)
-            row["backend_hooks_per_step"] = len(backend_events)
-            out[name] = row
+    for name, step in workloads(strategy).items():
+        check_unwrapped()
+        row = {"off_us": per_step_us(step, repeats, seconds)}
+        timeline.start(os.path.join(folder, "t.json"))
+        try:
+            row["recording_us"] = per_step_us(step, repeats, seconds)
+        finally:
+            timeline.stop()
+        timeline.start(os.path.join(folder, "one.json"))
+        step()
+        events = json.loads(Path(timeline.stop()).read_text())["traceEvents"]
+        backend_events = {(e["name"], e["ts"]) for e in events if e["ph"] == "X" and e["cat"] in
+                          ("collective", "pack", "plan")}  # one hook call records one event per device
+        row["spans_per_step"] = sum(e["ph"] == "X" and e["cat"] in ("run", "merge_call") for e in events)
+        row["backend_hooks_per_step"] = len(backend_events)
+        out[name] = row
+    check_unwrapped()
     return out
 
 
@@ -122,19 +124,19 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     repeats, seconds = (3, 0.05) if args.quick else (7, 0.2)
-    hooks = hook_costs()
-    steps = per_step(repeats, seconds)
-    print(f"# timeline off: a backend hook costs {hooks['backend_hook_ns']:.0f} ns, an empty span "
-          f"{hooks['span_ns']:.0f} ns ({os.cpu_count()} cores, {REPLICAS} emulated replicas)")
-    print(f"{'workload':<18s} {'off us':>9s} {'stripped us':>12s} {'recording us':>13s} {'hooks':>6s} "
-          f"{'est. off cost':>14s}")
+    with tempfile.TemporaryDirectory() as folder:
+        hooks = hook_costs(folder)
+        steps = per_step(repeats, seconds, folder)
+    print(f"# timeline off: backend methods unwrapped (0 ns), an empty span {hooks['span_off_ns']:.0f} ns; "
+          f"recording: a backend hook {hooks['backend_hook_recording_ns']:.0f} ns ({os.cpu_count()} cores, {REPLICAS} emulated "
+          f"replicas)")
+    print(f"{'workload':<18s} {'off us':>9s} {'recording us':>13s} {'spans':>6s} {'backend hooks':>14s} "
+          f"{'off cost':>10s}")
     for name, row in steps.items():
-        estimate = (row["backend_hooks_per_step"] * hooks["backend_hook_ns"]
-                    + row["span_hooks_per_step"] * hooks["span_ns"]) / 1e3
-        row["estimated_off_cost_us"] = round(estimate, 2)
-        print(f"{name:<18s} {row['off_us']:9.1f} {row['hooks_stripped_us']:12.1f} {row['recording_us']:13.1f} "
-              f"{row['backend_hooks_per_step'] + row['span_hooks_per_step']:6d} {estimate:10.2f} us "
-              f"({estimate / row['off_us']:.2%})")
+        estimate = row["spans_per_step"] * hooks["span_off_ns"] / 1e3
+        row["estimated_off_cost_us"] = round(estimate, 3)
+        print(f"{name:<18s} {row['off_us']:9.1f} {row['recording_us']:13.1f} {row['spans_per_step']:6d} "
+              f"{row['backend_hooks_per_step']:14d} {estimate:7.2f} us ({estimate / row['off_us']:.2%})")
     date = datetime.date.today().isoformat()
     path = args.json or BENCH / "results" / f"timeline-{date}-cpu.json"
     path.parent.mkdir(parents=True, exist_ok=True)

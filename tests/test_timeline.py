@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ import pytest
 import distrib
 from distrib import timeline
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROGRAM = textwrap.dedent("""
     import numpy as np, distrib
     strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2"])
@@ -144,3 +146,19 @@ def test_every_backends_collectives_are_on_the_timeline_once_and_cost_nothing_wh
         timeline.stop()
     assert {(cls, name): wrappers(cls, name) for cls in classes for name in TIMED} == \
         {(cls, name): 0 for cls in classes for name in TIMED}
+
+
+def test_the_timeline_benchmark_runs_and_finds_the_backend_unwrapped_while_off(tmp_path, monkeypatch):
+    # bench/timeline_bench.py measures what README's timeline section claims; it must keep running as the timeline
+    # changes (it once read a wrapper that no longer exists while off)
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # its `measure` helpers, as when it runs as a script
+    spec = importlib.util.spec_from_file_location("timeline_bench", ROOT / "bench" / "timeline_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    hooks = bench.hook_costs(str(tmp_path))
+    assert set(hooks) == {"span_off_ns", "backend_hook_recording_ns", "pack_one_array_ns"}
+    steps = bench.per_step(1, 0.005, str(tmp_path))
+    assert set(steps) == {"empty_merge_call", "allreduce_1m", "batch_200x1000"}
+    assert all(row["spans_per_step"] > 0 and row["off_us"] > 0 for row in steps.values())
+    assert steps["allreduce_1m"]["backend_hooks_per_step"] > 0
+    assert timeline.recording is None
