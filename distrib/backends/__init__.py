@@ -77,7 +77,8 @@ def detect() -> str:
                 if forced not in _CLASSES:
                     raise ValueError(f"DISTRIB_BACKEND must be 'cpu' or 'cuda'. Received: {forced!r}.")
                 if forced == "cuda" and (problem := cuda_problem()):
-                    raise BackendUnavailableError(f"DISTRIB_BACKEND=cuda, but {problem}.")
+                    raise BackendUnavailableError(f"DISTRIB_BACKEND=cuda, but {problem}. Unset DISTRIB_BACKEND (a "
+                                                  f"GPU is then used where one works) or set it to cpu.")
                 _DETECTED.append((forced, f"DISTRIB_BACKEND={forced}"))
             elif (problem := cuda_problem()) is None:
                 _DETECTED.append(("cuda", "CuPy sees a GPU and NCCL is loadable"))

@@ -81,8 +81,9 @@ def test_detection_names_the_extra_when_cupy_is_missing(monkeypatch, fresh_detec
 def test_forcing_cuda_without_a_gpu_or_nccl_says_which_is_missing(machine, monkeypatch, gpu, nccl_loadable, message):
     machine(gpu, nccl_loadable)
     monkeypatch.setenv("DISTRIB_BACKEND", "cuda")
-    with pytest.raises(BackendUnavailableError, match=message):
+    with pytest.raises(BackendUnavailableError, match=message) as raised:
         backends.detect()
+    assert str(raised.value).endswith("Unset DISTRIB_BACKEND (a GPU is then used where one works) or set it to cpu.")
 
 
 def test_asking_for_the_cuda_backend_without_a_gpu_is_backend_unavailable(machine):
