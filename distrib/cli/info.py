@@ -60,7 +60,8 @@ def _replica_execution(kind: str | None) -> str:
         return "threads (GPU replicas always run on threads)"
     if os.environ.get("DISTRIB_REPLICA_EXECUTION"):
         return f"{chosen} (DISTRIB_REPLICA_EXECUTION={chosen})"
-    return f"{chosen} (the default; DISTRIB_REPLICA_EXECUTION=cooperative runs emulated replicas as greenlets)"
+    return (f"{chosen} (the default; DISTRIB_REPLICA_EXECUTION=cooperative runs emulated replicas as greenlets, as "
+            f"`distrib train` does unless it is set)")
 
 
 def render(facts: dict) -> list[str]:

@@ -79,6 +79,7 @@ def test_the_link_matrix_has_nvidia_smis_layout():
 def test_info_says_how_emulated_replicas_run_and_why(monkeypatch):
     monkeypatch.delenv("DISTRIB_REPLICA_EXECUTION", raising=False)
     assert json.loads(info("--json"))["replica_execution"].startswith("threads (the default;")
+    assert "as `distrib train` does unless it is set" in json.loads(info("--json"))["replica_execution"]
     monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "cooperative")
     assert "replica execution: cooperative (DISTRIB_REPLICA_EXECUTION=cooperative)" in info()
     monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "fibers")
