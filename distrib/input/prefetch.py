@@ -114,8 +114,9 @@ class Prefetcher:
             if len(samples) < 8:
                 return False
             self._pace["away"] = sorted(samples)[4]
-        else:
-            self._pace["away"] = 0.95 * self._pace["away"] + 0.05 * away
+        else:  # each step's weight capped: one pause (a garbage collection, the core taken by another process for a
+            # millisecond) must not start the thread for good; a consumer that is busy every step still does in ~6
+            self._pace["away"] = 0.95 * self._pace["away"] + 0.05 * min(away, 4 * self.AHEAD_AFTER_SECONDS)
         return self._pace["away"] > self.AHEAD_AFTER_SECONDS
 
     def _pop(self) -> Any:

@@ -615,3 +615,19 @@ def test_end_of_input_checks_follow_the_steps_taken_not_the_steps_produced_ahead
     assert len(iterator._prefetcher._items) >= 2
     assert checks == [True] * 3
     iterator.close()
+
+
+def test_one_long_pause_of_the_consumer_does_not_start_the_prefetch_thread_for_good():
+    # a loop that only reads input splits inline; a garbage collection or a core taken away for a few
+    # milliseconds must not switch a dataset to the thread (and its handoffs) for all its epochs
+    from distrib.input.prefetch import Prefetcher
+
+    pace: dict = {}
+    prefetcher = Prefetcher(lambda: 0, depth=4, pace=pace)
+    quick, pause = 3e-6, 5e-3
+    assert not any(prefetcher._consumer_is_busy(quick) for _ in range(8))
+    assert not prefetcher._consumer_is_busy(pause)
+    assert not any(prefetcher._consumer_is_busy(quick) for _ in range(50))
+    busy = [prefetcher._consumer_is_busy(pause) for _ in range(20)]  # a training step between every two steps
+    assert busy[-1] and busy.index(True) < 10
+    prefetcher.close()
