@@ -236,14 +236,17 @@ class MpiBackend(CpuBackend):
         """
         group = self.group
         first, per_replica = flats[0], flats[0].size
-        gathered = self._pool.take(first.itemsize * per_replica * group.num_replicas).view(first.dtype)
+        # in native byte order, whatever order each process's flats come in (a padded pack of a byte-swapped value
+        # is native, its lone member may not be): MPI moves the bytes as they are
+        dtype = native_order(first.dtype)
+        gathered = self._pool.take(first.itemsize * per_replica * group.num_replicas).view(dtype)
         start = group.first_replica * per_replica
         mine = gathered[start:start + per_replica * len(flats)]
         if len(flats) == 1:
             np.copyto(mine, first.reshape(-1))
         else:
             np.concatenate([flat.reshape(-1) for flat in flats], out=mine)
-        spec = self._gather_spec(per_replica, first.dtype)
+        spec = self._gather_spec(per_replica, dtype)
         (counts, starts), mpi_type = spec
         if sum(counts) <= MAX_COUNT:
             group.run("all_gather", group.comm.Allgatherv, timeout, group.MPI.IN_PLACE, [gathered, *spec])

@@ -49,6 +49,20 @@ for name in ("float32", "float64", "int32", "int64", "float16"):
     expected = BASE * sum(range(1, strategy.num_replicas_in_sync + 1))
     report[f"{name} sums"] = bool(np.allclose(results["swapped"][0][0], expected, atol=0,  # float16 rounds
                                               rtol=2.0 ** -10 if name == "float16" else 0))
+
+def ragged_gathers(dtype) -> list:
+    """all_gather and gather of values whose length differs per replica (replica r has r + 1 rows): some
+    processes' parts are packed with padding, others travel as they are."""
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full(ctx.replica_id_in_sync_group + 1, BASE[0] * (ctx.replica_id_in_sync_group + 1), dtype))
+    gathered = strategy.run(lambda x: distrib.get_replica_context().all_gather(x, 0), args=(values,))
+    return local(gathered) + [np.asarray(strategy.gather(values, axis=0))]
+
+
+for name in ("int64", "float32"):
+    native, swapped = ragged_gathers(np.dtype(name)), ragged_gathers(np.dtype(name).newbyteorder("S"))
+    report[f"{name} ragged gathers"] = all(np.array_equal(a, b) and b.dtype.isnative
+                                           for a, b in zip(native, swapped))
 if extended._group.rank == 0:
     with open(sys.argv[1], "w") as file:
         json.dump(report, file)
