@@ -421,3 +421,10 @@ def test_merging_something_that_is_not_a_trace_says_which_file(tmp_path, capsys)
     assert main(["timeline", "merge", str(tmp_path / "missing.json"), "-o", str(tmp_path / "out.json")]) == 2
     assert "must be a file that can be read. Received: " in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_processes_that_pass_different_values_to_a_collective_all_raise_and_go_on(tmp_path, replicas):
+    # each process's replicas agree with each other, so only the processes' announcements can tell: before, an
+    # all_reduce returned wrong sums, or raised MPI_ERR_TRUNCATE on one rank only and left the other waiting
+    assert_every_check_passes("mismatches.py", tmp_path, 14, replicas)

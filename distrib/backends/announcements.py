@@ -26,10 +26,11 @@ import os
 import tempfile
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+import zlib
+from typing import Any, Callable, NamedTuple, Sequence
 
 from distrib.backends.call_watchdog import RESTART
-from distrib.errors import DeadlineExceededError, WorkerFailedError
+from distrib.errors import CollectiveMismatchError, DeadlineExceededError, WorkerFailedError
 from distrib.options import default_timeout
 
 _TAG = 17
@@ -40,6 +41,24 @@ QUICK_POLLS = 64  # polls made before the wait looks at the clock: a peer in ste
 SPIN_SECONDS = 0.05  # a late peer is polled without pause this long, then every NAP_SECONDS
 NAP_SECONDS = 0.0005
 LEFT_CHECK_SECONDS = 0.001  # a wait looks for peers that left once it has lasted this long
+
+
+_CODES: dict[str, int] = {}
+
+
+def signature(what: str, parts: Sequence[tuple[int, Any]], mean: bool = False) -> int:
+    """What a collective moves, as an integer equal on every rank that makes the same collective (`Channel.run`
+    compares them): `what`, each buffer's element count and dtype, and whether it averages. Built from integers
+    only, since a str's hash differs from process to process."""
+    code = _CODES.get(what) or _CODES.setdefault(what, zlib.crc32(what.encode()))
+    return hash((code, mean, *[(count, ord(dtype.kind), dtype.itemsize) for count, dtype in parts])) or 1
+
+
+def one_buffer_signature(what: str, count: int, dtype: Any, mean: bool) -> int:
+    """`signature` of one buffer of a dtype MPI has a datatype for (a builtin NumPy type, whose `num` is the same
+    in every process), in fewer steps: the usual multi-worker all-reduce asks right after a transfer has left
+    the caches cold."""
+    return hash((_CODES.get(what) or signature(what, ()), mean, count, dtype.num)) or 1
 
 
 class InCall(NamedTuple):
@@ -97,12 +116,18 @@ class Channel:
         self._stamps: list[array.array] = []  # their buffers
         self._lock = threading.Lock()
 
-    def run(self, what: str, call: Callable[..., Any], timeout: float | None, *args: Any) -> None:
+    def run(self, what: str, call: Callable[..., Any], timeout: float | None, signature: int, *args: Any) -> None:
         """Announces collective `what`, waits until every peer has announced it, then makes it (`call(*args)`).
+
+        `signature` (0: none; else an integer equal on every rank for the same collective, from `signature`; a
+        positional argument, since a keyword costs the usual all-reduce a microsecond) travels with the announcement to the
+        peers on this host; where one of theirs differs, no rank makes the call and each raises
+        CollectiveMismatchError (peers heard by message are not compared).
 
         Raises:
           DeadlineExceededError: naming the ranks that never announced it within `timeout` seconds.
           WorkerFailedError: the job already failed, or a peer's program ended before it (naming the peer).
+          CollectiveMismatchError: a peer announced this collective with another nonzero signature.
         """
         with self._lock:
             if self.group.broken is not None:
@@ -111,6 +136,7 @@ class Channel:
                 self._announce_and_wait(what, timeout)
             else:  # every peer on this host: `_announce` and `_missing` for slots alone, inline
                 self.sequence = sequence = self.sequence + 1
+                self._slot[1] = signature  # before the number: a peer that reads the number reads it too
                 self._slot[0] = sequence
                 slots = self._near_slots
                 # a peer's store takes a few hundred ns to reach this core, so ranks that arrive together each find
@@ -124,11 +150,27 @@ class Channel:
                         break
                 else:
                     self._wait_for_peers(what, timeout)
+                if signature:
+                    for slot in slots:
+                        if slot[1] != signature and slot[1] and slot[0] == sequence:
+                            raise self._mismatch(what, sequence)
             self.in_call = _in_call((what, self.sequence, time.monotonic(), timeout))
             try:
                 call(*args)
             finally:
                 self.in_call = None
+
+    def _mismatch(self, what: str, sequence: int) -> CollectiveMismatchError:
+        """The error of collective #`sequence`, which some peers on this host announced with another signature."""
+        mine = self._slot[1]
+        ranks = tuple(peer for peer, slot in zip(self._near, self._near_slots)
+                      if slot[1] != mine and slot[1] and slot[0] == sequence)
+        return CollectiveMismatchError(
+            f"{what} across processes: {self.group.describe(ranks)} made collective #{sequence} of the job's "
+            f"{self.name} with other values than this rank (another size, dtype, number of values or reduce op), "
+            f"so no rank made it. Every process must pass values of the same structure, shapes and dtypes, and "
+            f"the same op, to each collective, in the same order (a process whose own replicas disagreed raised "
+            f"there and skipped the collective its peers made).")
 
     def _announce_and_wait(self, what: str, timeout: float | None) -> None:
         """`run`'s announcement and wait where some peers hear it by message."""
@@ -307,8 +349,8 @@ def _last_announced(announced: int) -> int:
 
 
 def _shared_slots(MPI: Any, comm: Any, wanted: bool) -> dict[int, memoryview]:
-    """{rank of `comm`: its announcement slot} for the ranks on this host, each an 8-byte integer in a file they
-    all map (in /dev/shm where there is one), starting at 0; {} where this rank is alone on its host, the file
+    """{rank of `comm`: its announcement slot} for the ranks on this host, each two 8-byte integers (the number of
+    the collective announced last, and its signature) in a file they all map (in /dev/shm where there is one), starting at 0; {} where this rank is alone on its host, the file
     cannot be shared, or a rank on this host does not want slots (then every peer gets messages): the ranks of a
     host agree. Collective over `comm`, whatever `wanted` is.
 
@@ -336,7 +378,7 @@ def _shared_slots(MPI: Any, comm: Any, wanted: bool) -> dict[int, memoryview]:
             return {}
         ranks = host.Get_group().Translate_ranks(list(range(size)), comm.Get_group())
         memory = memoryview(board)  # keeps the mapping for the life of the process
-        return {rank: memory[k * _SLOT_BYTES:k * _SLOT_BYTES + 8].cast("q") for k, rank in enumerate(ranks)}
+        return {rank: memory[k * _SLOT_BYTES:k * _SLOT_BYTES + 16].cast("q") for k, rank in enumerate(ranks)}
     finally:
         host.Free()
 

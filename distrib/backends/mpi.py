@@ -16,6 +16,7 @@ import numpy as np
 
 from distrib.backends.cpu import CpuBackend, native_order, _shared as shared_views
 from distrib.backends.packed import FLOAT_PREFIXES, unpack_into
+from distrib.backends.announcements import one_buffer_signature, signature
 from distrib.backends.process_group import ProcessGroup
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, AllReducePlan, dtype_name
@@ -139,7 +140,8 @@ class MpiBackend(CpuBackend):
                      for a, b in bounds]
         return calls, total, None if wire is total else wire
 
-    def _sum_whole(self, flat: np.ndarray, what: str, timeout: float | None) -> np.ndarray | None:
+    def _sum_whole(self, flat: np.ndarray, what: str, timeout: float | None, mean: bool = False
+                   ) -> np.ndarray | None:
         """One local replica's `flat` (any shape) summed across processes by one MPI call, straight from it into a
         new writable 1-D pooled buffer; None where MPI cannot send it as it is in one call (float16, bfloat16,
         byte-swapped, not contiguous, more than MAX_COUNT elements).
@@ -153,29 +155,32 @@ class MpiBackend(CpuBackend):
         if mpi_type is None or flat.size > MAX_COUNT or not flat.flags.c_contiguous:
             return None
         total = self._pool.take(flat.nbytes).view(flat.dtype)  # 1-D, no shape arithmetic: `empty` does more
-        self.group.collectives.run(what, self.group.comm.Allreduce, timeout, [flat, mpi_type], [total, mpi_type],
-                                   wire[1])
+        self.group.collectives.run(what, self.group.comm.Allreduce, timeout,
+                                   one_buffer_signature(what, flat.size, flat.dtype, mean), [flat, mpi_type],
+                                   [total, mpi_type], wire[1])
         return total
 
     def _summed(self, flats: Sequence[np.ndarray], bounds: Sequence[tuple[int, int]], what: str,
-                timeout: float | None) -> np.ndarray:
-        """`flats` summed over every replica of every process, into a new writable buffer."""
+                timeout: float | None, mean: bool = False) -> np.ndarray:
+        """`flats` summed over every replica of every process, into a new writable buffer (`mean`: for the
+        signature only; the caller divides)."""
         if len(flats) == 1 and len(bounds) == 1 and bounds[0][0] == 0 and bounds[0][1] == flats[0].size:
-            total = self._sum_whole(flats[0], what, timeout)
+            total = self._sum_whole(flats[0], what, timeout, mean)
             if total is not None:
                 return total
         reduction = self._reduction(flats, bounds)
-        self._sum_across((reduction,), what, timeout)
+        self._sum_across((reduction,), what, timeout, mean)
         return reduction[1]
 
-    def _sum_across(self, reductions: Sequence[tuple], what: str, timeout: float | None) -> None:
+    def _sum_across(self, reductions: Sequence[tuple], what: str, timeout: float | None, mean: bool = False) -> None:
         """Makes the MPI calls of `reductions` (from `_reduction`) once every process has reached them."""
         comm = self.group.comm
         calls = [call for reduction in reductions for call in reduction[0]]
+        check = signature(what, [(total.size, total.dtype) for _, total, _ in reductions], mean)
         if len(calls) == 1:
-            self.group.run(what, comm.Allreduce, timeout, *calls[0])
+            self.group.run(what, comm.Allreduce, timeout, *calls[0], signature=check)
         else:
-            self.group.run(what, lambda: [comm.Allreduce(*call) for call in calls], timeout)
+            self.group.run(what, lambda: [comm.Allreduce(*call) for call in calls], timeout, signature=check)
         for _, total, wire in reductions:
             if wire is not None:
                 np.copyto(total, wire, casting="unsafe")
@@ -189,7 +194,7 @@ class MpiBackend(CpuBackend):
             value = per_device[0][0]  # call, straight from the array into the result
             # the plan's dtype by name, from the memo: `dtype == "float32"` parses the string every time (2-3 µs
             # of a 1 MB call, right after a transfer has left the caches cold)
-            total = self._sum_whole(value, "all_reduce", timeout) if type(value) is np.ndarray and \
+            total = self._sum_whole(value, "all_reduce", timeout, plan.mean) if type(value) is np.ndarray and \
                 dtype_name(value.dtype) == single[0] else None
             if total is not None:
                 _, shape, float_mean = single
@@ -206,7 +211,7 @@ class MpiBackend(CpuBackend):
         reductions = [self._reduction([self.pack([values[m.index] for m in buffer.members], buffer, device)
                                        for values, device in zip(per_device, devices)], buffer.chunks)
                       for buffer in buffers]
-        self._sum_across(reductions, "all_reduce", timeout)
+        self._sum_across(reductions, "all_reduce", timeout, plan.mean)
         results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
         for buffer, (_, total, _) in zip(buffers, reductions):
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
@@ -223,7 +228,7 @@ class MpiBackend(CpuBackend):
             f"over MPI. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices.")
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
-        total = self._summed(flats, chunks, "all_reduce", timeout)
+        total = self._summed(flats, chunks, "all_reduce", timeout, mean)
         if mean:
             np.true_divide(total, self.group.num_replicas, out=total)
         return shared_views(total, len(devices))
@@ -249,7 +254,8 @@ class MpiBackend(CpuBackend):
         spec = self._gather_spec(per_replica, dtype)
         (counts, starts), mpi_type = spec
         if sum(counts) <= MAX_COUNT:
-            group.run("all_gather", group.comm.Allgatherv, timeout, group.MPI.IN_PLACE, [gathered, *spec])
+            group.run("all_gather", group.comm.Allgatherv, timeout, group.MPI.IN_PLACE, [gathered, *spec],
+                      signature=signature("all_gather", ((per_replica, dtype),)))
         else:  # displacements past a C int: each rank's block broadcast from it, in pieces (the same bytes moved)
             units = gathered.view(np.uint8) if mpi_type is group.MPI.BYTE else gathered
             blocks = [(rank, a, b) for rank, (count, start) in enumerate(zip(counts, starts))

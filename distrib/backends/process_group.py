@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from distrib import timeline
-from distrib.backends.announcements import Channel, missing_error
+from distrib.backends.announcements import Channel, missing_error, signature
 from distrib.backends.call_watchdog import RESTART, CallWatchdog
 from distrib.errors import BackendUnavailableError, WorkerFailedError
 
@@ -85,14 +85,16 @@ class ProcessGroup:
         if self.size > 1:
             self.watchdog.start()
 
-    def run(self, what: str, call: Any, timeout: float | None, *args: Any) -> None:
+    def run(self, what: str, call: Any, timeout: float | None, *args: Any, signature: int = 0) -> None:
         """Runs collective `what` on `comm`: once every rank has reached it, `call(*args)` makes the MPI call(s).
+        `signature`: see `Channel.run`.
 
         Raises:
           DeadlineExceededError: naming the ranks that never reached it within `timeout` seconds.
           WorkerFailedError: the job already failed.
+          CollectiveMismatchError: a peer on this host made it with another signature.
         """
-        self.collectives.run(what, call, timeout, *args)
+        self.collectives.run(what, call, timeout, signature, *args)
 
     def gather_rows(self, rows: np.ndarray, timeout: float | None) -> np.ndarray:
         """Every rank's int64 `rows` (one per local replica, all of one width), in global replica order, by one MPI
@@ -100,7 +102,8 @@ class ProcessGroup:
         rows = np.ascontiguousarray(rows, np.int64)
         gathered = np.empty((self.num_replicas, rows.shape[1]), np.int64)
         int64 = self.MPI.INT64_T
-        self.collectives.run("all_gather (sizes)", self.comm.Allgatherv, timeout, [rows, int64],
+        self.collectives.run("all_gather (sizes)", self.comm.Allgatherv, timeout,
+                             signature("all_gather (sizes)", ((rows.shape[1], rows.dtype),)), [rows, int64],
                              [gathered, self.gather_counts(rows.shape[1]), int64])
         return gathered
 
@@ -153,7 +156,8 @@ class ProcessGroup:
         """Whether `flag` is true on any rank (the input pipeline's end-of-data vote), on the input channel."""
         mine, anywhere = np.array([int(flag)], np.int32), np.zeros(1, np.int32)
         channel = self._input
-        channel.run("the end-of-input check", lambda: channel.comm.Allreduce(mine, anywhere, self.MPI.MAX), timeout)
+        channel.run("the end-of-input check", lambda: channel.comm.Allreduce(mine, anywhere, self.MPI.MAX), timeout,
+                    0)
         return bool(anywhere[0])
 
     def check_usable(self, what: str) -> None:

@@ -1,0 +1,55 @@
+"""Run under `mpirun -np 2`; rank 0 writes to the JSON file argv[1], per case, whether the processes passing
+different values to one collective (another size, dtype, number of values or op) made every rank raise
+CollectiveMismatchError before any byte moved, and whether the next collective then gave every rank the right sum.
+Each process's own replicas agree with each other, so only the announcements can tell."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import distrib
+from distrib.errors import CollectiveMismatchError
+
+strategy = distrib.MultiWorkerMirroredStrategy(
+    communication_options=distrib.CommunicationOptions(timeout_seconds=20))
+rank = strategy.extended._group.rank
+replicas = strategy.num_replicas_in_sync
+
+CASES = {  # (rank 0's value, rank 1's value, rank 0's op, rank 1's op)
+    "size": (np.ones(3, np.float32), np.ones(4, np.float32), "SUM", "SUM"),
+    "dtype": (np.ones(4, np.float32), np.ones(4, np.float64), "SUM", "SUM"),
+    "integers against floats": (np.ones(4, np.float32), np.ones(4, np.int32), "SUM", "SUM"),
+    "number of values": ([np.ones(2, np.float32)], [np.ones(2, np.float32)] * 2, "SUM", "SUM"),
+    "op": (np.ones(2, np.float32), np.ones(2, np.float32), "SUM", "MEAN"),
+}
+APIS = {
+    "all_reduce": lambda op, value: strategy.run(lambda: distrib.get_replica_context().all_reduce(op, value)),
+    "reduce": lambda op, value: strategy.reduce(
+        op, strategy.experimental_distribute_values_from_function(lambda ctx: value), axis=None),
+    "all_gather": lambda op, value: strategy.run(lambda: distrib.get_replica_context().all_gather(value, 0)),
+}
+report = {}
+for api, collective in APIS.items():
+    for case, (first, second, first_op, second_op) in CASES.items():
+        if api == "all_gather" and case == "op":
+            continue
+        if api == "all_gather" and case == "size":  # lengths along the axis may differ: the rows may not
+            first, second = np.ones((2, 3), np.float32), np.ones((2, 4), np.float32)
+        try:
+            collective(first_op if rank == 0 else second_op, first if rank == 0 else second)
+            raised = False
+        except CollectiveMismatchError as error:
+            raised = str(error).startswith((  # the announcements' check; all_gather's own, of the sizes it exchanges
+                "all_reduce across processes: rank ", "all_gather (sizes) across processes: rank ",
+                "all_gather needs the same dtype and the same shape off the gather axis on every replica."))
+        after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
+        right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
+        everywhere = MPI.COMM_WORLD.allgather((raised, right))
+        report[f"{api}: {case}"] = all(r and ok for r, ok in everywhere)
+if rank == 0:
+    with open(sys.argv[1], "w") as file:
+        json.dump(report, file)
