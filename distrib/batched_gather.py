@@ -9,6 +9,7 @@ import numpy as np
 
 from distrib import plan as planner
 from distrib.backends.base import Backend
+from distrib.backends.cpu import native_order
 from distrib.errors import CollectiveMismatchError
 
 # Each value's layout on one replica: (length along the gather axis, elements per row, rank, dtype kind, itemsize)
@@ -146,7 +147,8 @@ def _cut_out(backend: Backend, flat: Any, pack_size: int, member: planner.Member
     block = member.shape
     packs = flat.reshape(len(lengths), pack_size)
     columns = packs[:, member.offset:member.offset + member.size]  # replica r's padded block: row r
-    joined = backend.empty((sum(lengths),) + block[1:], flat.dtype, device)
+    # in native byte order, as every other result (a byte-swapped member gathered alone keeps its order until here)
+    joined = backend.empty((sum(lengths),) + block[1:], native_order(flat.dtype), device)
     with backend.device_scope(device):
         if not ragged:  # no padding anywhere: one strided copy of every replica's block
             backend.xp.copyto(joined.reshape(len(lengths), member.size), columns)

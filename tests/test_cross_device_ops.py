@@ -480,3 +480,17 @@ def test_values_in_the_other_byte_order_reduce_to_native_results_on_every_route(
     for result in results:
         assert np.asarray(result).dtype == np.float32
         np.testing.assert_array_equal(result, total)
+
+
+@pytest.mark.parametrize("devices", [["CPU:0"], ["CPU:0", "CPU:1"]])
+def test_gathers_of_values_in_the_other_byte_order_give_native_results_ragged_or_not(devices):
+    strategy = distrib.MirroredStrategy(devices)
+    swapped = np.dtype(np.float32).newbyteorder("S")
+    for ragged in (False, True):
+        values = strategy.experimental_distribute_values_from_function(
+            lambda c: np.full(1 + ragged * c.replica_id_in_sync_group, c.replica_id_in_sync_group + 1, swapped))
+        gathered = strategy.run(lambda x: distrib.get_replica_context().all_gather(x, 0), (values,))
+        expected = np.concatenate([np.full(1 + ragged * r, r + 1, np.float32) for r in range(len(devices))])
+        for result in [*strategy.experimental_local_results(gathered), strategy.gather(values, axis=0)]:
+            assert np.asarray(result).dtype == np.float32
+            np.testing.assert_array_equal(result, expected)
