@@ -158,7 +158,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         for leaf, path in zip(leaves, spec.paths()):
             arrays = [extended.backend.to_device(c, d) for c, d in zip(local_components(leaf) or (leaf,) * len(devices),
                                                                       devices)]
-            check_gather_shapes("Strategy.gather", [a.shape for a in arrays], [a.dtype for a in arrays], axis, path)
+            check_gather_shapes("Strategy.gather", [a.shape for a in arrays], [a.dtype for a in arrays], axis, path,
+                                extended._first_local_replica)
             per_leaf.append(arrays)
         if not per_leaf:
             return unflatten(spec, [])

@@ -212,8 +212,8 @@ class ReplicaContext:
 
         def merge(payloads: list) -> list:
             if len(payloads) > 1 or gather_axis is not None:  # one replica has nothing to compare with
-                check_same_arguments(kind, [p[2] for p in payloads])
-                check_same_layout(kind, [p[:2] for p in payloads], gather_axis=gather_axis)
+                check_same_arguments(kind, [p[2] for p in payloads], self._first_local_replica)
+                check_same_layout(kind, [p[:2] for p in payloads], gather_axis, self._first_local_replica)
             if not payloads[0][1]:
                 return [[] for _ in payloads]
             return combine(list(map(_ARRAYS, payloads)), options)
@@ -248,14 +248,16 @@ def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def check_gather_shapes(api: str, shapes: Sequence[tuple], dtypes: Sequence, axis: int, path: tuple) -> int:
-    """Checks that shapes agree except along `axis` and dtypes agree; returns the normalized axis."""
+def check_gather_shapes(api: str, shapes: Sequence[tuple], dtypes: Sequence, axis: int, path: tuple,
+                        first: int = 0) -> int:
+    """Checks that shapes agree except along `axis` and dtypes agree; returns the normalized axis. `first`: the
+    global id of the replica of `shapes[0]` (nonzero on other processes than the first of a multi-worker job)."""
     ndim = len(shapes[0])
     if ndim == 0:
         raise ValueError(f"{api} needs values of rank >= 1 to concatenate along axis {axis}. Received: a scalar "
                          f"at path {format_path(path)}.")
     (axis,) = normalize_axes(axis, ndim)
-    for replica_id, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+    for replica_id, (shape, dtype) in enumerate(zip(shapes, dtypes), start=first):
         if dtype != dtypes[0]:
             raise CollectiveMismatchError(f"{api} needs the same dtype on every replica. Received: replica "
                                           f"{replica_id}, path {format_path(path)}, dtype {dtype} vs {dtypes[0]}.")
@@ -266,10 +268,11 @@ def check_gather_shapes(api: str, shapes: Sequence[tuple], dtypes: Sequence, axi
     return axis
 
 
-def check_same_arguments(api: str, arguments: Sequence[tuple]) -> None:
-    """Every replica's (name, value) arguments must equal replica 0's: else the first mismatch, named."""
+def check_same_arguments(api: str, arguments: Sequence[tuple], first_id: int = 0) -> None:
+    """Every replica's (name, value) arguments must equal the first's (global id `first_id`): else the first
+    mismatch, named."""
     first = arguments[0]
-    for replica_id, mine in enumerate(arguments[1:], start=1):
+    for replica_id, mine in enumerate(arguments[1:], start=first_id + 1):
         if mine != first:
             name, theirs, ours = next((a[0], b[1], a[1]) for a, b in zip(first, mine) if a != b)
             raise CollectiveMismatchError(f"{api} needs the same {name} on every replica. Received: replica "
@@ -280,15 +283,17 @@ def _shown(value: Any) -> str:
     return value.name if isinstance(value, enum.Enum) else repr(value)
 
 
-def check_same_layout(api: str, payloads: list, gather_axis: int | None = None) -> None:
-    """Every replica's (spec, arrays) must match replica 0's: structure, then each leaf's shape and dtype."""
+def check_same_layout(api: str, payloads: list, gather_axis: int | None = None, first: int = 0) -> None:
+    """Every replica's (spec, arrays) must match the first's (global id `first`): structure, then each leaf's shape
+    and dtype."""
     if len(payloads) == 1 and gather_axis is None:  # one replica: nothing to compare with
         return
     spec0, arrays0 = payloads[0]
-    for replica_id, (spec, _) in enumerate(payloads[1:], start=1):  # every structure first: leaves line up after
-        if spec != spec0:
+    for replica_id, (spec, _) in enumerate(payloads[1:], start=first + 1):  # every structure first: leaves line
+        if spec != spec0:  # up after
             raise CollectiveMismatchError(structure_mismatch(f"{api} needs the same structure on every replica",
-                                                              replica_id, spec0.paths(), spec.paths(), spec0, spec))
+                                                              replica_id, spec0.paths(), spec.paths(), spec0, spec,
+                                                              first))
     shapes0, dtypes0 = [a.shape for a in arrays0], [a.dtype for a in arrays0]
     if gather_axis is not None:
         leaves: Any = range(len(arrays0))
@@ -301,9 +306,9 @@ def check_same_layout(api: str, payloads: list, gather_axis: int | None = None) 
         paths = spec0.paths()
         for k in leaves:
             check_gather_shapes(api, [p[1][k].shape for p in payloads], [p[1][k].dtype for p in payloads],
-                                 gather_axis, paths[k])
+                                 gather_axis, paths[k], first)
         return
-    for replica_id, (_, arrays) in enumerate(payloads[1:], start=1):
+    for replica_id, (_, arrays) in enumerate(payloads[1:], start=first + 1):
         if [a.shape for a in arrays] == shapes0 and [a.dtype for a in arrays] == dtypes0:
             continue  # the common case, checked in bulk
         for k, path in enumerate(spec0.paths()):

@@ -308,20 +308,21 @@ def _regroup_leaf(values: tuple, wrap_class: type, always_wrap: bool) -> Any:
     return wrap_class(values)
 
 
-def structure_mismatch(rule: str, replica_id: int, first_paths: list, paths: list, spec, other_spec) -> str:
-    """Error text naming the first path where replica `replica_id` differs from replica 0."""
+def structure_mismatch(rule: str, replica_id: int, first_paths: list, paths: list, spec, other_spec,
+                       first_id: int = 0) -> str:
+    """Error text naming the first path where replica `replica_id` differs from replica `first_id`."""
     first, other = set(first_paths), set(paths)
     only_first = [p for p in first_paths if p not in other]
     only_other = [p for p in paths if p not in first]
     if only_first or only_other:
         where = only_first[0] if only_first else only_other[0]
-        side = "replica 0" if only_first else f"replica {replica_id}"
+        side = f"replica {first_id}" if only_first else f"replica {replica_id}"
         detail = f"path {format_path(where)} exists only on {side}"
     else:
         where, first_node, other_node = _first_difference(spec, other_spec)
         with_keys = first_node.type is other_node.type
         detail = (f"path {format_path(where)} is {_describe(other_node, with_keys)} on replica {replica_id} but "
-                  f"{_describe(first_node, with_keys)} on replica 0")
+                  f"{_describe(first_node, with_keys)} on replica {first_id}")
     return f"{rule}. Received: replica {replica_id}, {detail}."
 
 

@@ -270,3 +270,21 @@ def test_run_inside_a_merge_fn_runs_every_replica_as_in_tensorflow(strategy):
     with pytest.raises(KeyError, match="from the nested run"):
         strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: s.run(fails)))
     assert [float(x) for x in local(strategy, strategy.run(step))] == [4.0] * 4  # still usable
+
+
+def test_a_mismatch_among_a_later_process_replicas_names_their_global_ids():
+    # in a multi-worker job the second process's replicas are 2 and 3, not 0 and 1 (its merge compares only them)
+    from distrib.replica_context import check_same_layout
+
+    def payload(value):  # (structure, leaves), as each replica hands them to the merge
+        leaves, spec = flatten(value)
+        return spec, leaves
+
+    payloads = [payload(np.zeros((1, n), np.float32)) for n in (1, 2)]
+    with pytest.raises(distrib.errors.CollectiveMismatchError, match=r"Received: replica 3, path <root>, shape \(1, 2\) vs "):
+        check_same_layout("all_gather", payloads, gather_axis=0, first=2)
+    with pytest.raises(distrib.errors.CollectiveMismatchError, match=r"Received: replica 3, path <root>, shape \(1, 2\) vs "):
+        check_same_layout("all_reduce", payloads, first=2)
+    structures = [payload({"a": np.zeros(1)}), payload({"b": np.zeros(1)})]
+    with pytest.raises(distrib.errors.CollectiveMismatchError, match=r"exists only on replica 2\."):
+        check_same_layout("all_reduce", structures, first=2)
