@@ -119,10 +119,9 @@ class Channel:
     def run(self, what: str, call: Callable[..., Any], timeout: float | None, signature: int, *args: Any) -> None:
         """Announces collective `what`, waits until every peer has announced it, then makes it (`call(*args)`).
 
-        `signature` (0: none; else an integer equal on every rank for the same collective, from `signature`; a
-        positional argument, since a keyword costs the usual all-reduce a microsecond) travels with the announcement to the
-        peers on this host; where one of theirs differs, no rank makes the call and each raises
-        CollectiveMismatchError (peers heard by message are not compared).
+        `signature` (0: none; else an integer equal on every rank for the same collective, from `signature`)
+        travels with the announcement to the peers on this host; where one of theirs differs, no rank makes the
+        call and each raises CollectiveMismatchError (peers heard by message are not compared).
 
         Raises:
           DeadlineExceededError: naming the ranks that never announced it within `timeout` seconds.
@@ -350,9 +349,10 @@ def _last_announced(announced: int) -> int:
 
 def _shared_slots(MPI: Any, comm: Any, wanted: bool) -> dict[int, memoryview]:
     """{rank of `comm`: its announcement slot} for the ranks on this host, each two 8-byte integers (the number of
-    the collective announced last, and its signature) in a file they all map (in /dev/shm where there is one), starting at 0; {} where this rank is alone on its host, the file
-    cannot be shared, or a rank on this host does not want slots (then every peer gets messages): the ranks of a
-    host agree. Collective over `comm`, whatever `wanted` is.
+    the collective announced last, and its signature) in a file they all map (in /dev/shm where there is one),
+    starting at 0; {} where this rank is alone on its host, the file cannot be shared, or a rank on this host does
+    not want slots (then every peer gets messages): the ranks of a host agree. Collective over `comm`, whatever
+    `wanted` is.
 
     A mapped file rather than an MPI shared-memory window: creating a window makes some Open MPI 5 builds print
     errors from RMA components that do not apply (osc/ucx without UCX hardware), and only the memory is needed.
