@@ -389,6 +389,9 @@ def test_processes_with_different_replica_counts_split_batches_as_one_process(tm
     assert first["gathered"] == [expected] and rest["gathered"] == [expected] * 3
     alone = [[0, 0, 1, 1, 2, 2, 3, 3]]
     assert first["gathered_alone"] == [alone] and rest["gathered_alone"] == [alone] * 3
+    sums = {name: [4.0 if "SUM" in name else 1.0] * 3 for name in first["sums"]}
+    assert len(sums) == 5 and first["sums"] == {k: [v] for k, v in sums.items()}
+    assert rest["sums"] == {k: [v] * 3 for k, v in sums.items()}
     # a plain value's SUM is refused on both processes (the one with one replica did not wait in a collective)
     assert first["plain_sum"] == rest["plain_sum"] and "cannot be reduced with SUM on 4 replicas" in first["plain_sum"]
 

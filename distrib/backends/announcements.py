@@ -48,17 +48,13 @@ _CODES: dict[str, int] = {}
 
 def signature(what: str, parts: Sequence[tuple[int, Any]], mean: bool = False) -> int:
     """What a collective moves, as an integer equal on every rank that makes the same collective (`Channel.run`
-    compares them): `what`, each buffer's element count and dtype, and whether it averages. Built from integers
-    only, since a str's hash differs from process to process."""
+    compares them), whichever route each rank's values take to it: `what`, each buffer's element count and dtype,
+    and whether it averages. Built from integers only, since a str's hash differs from process to process."""
     code = _CODES.get(what) or _CODES.setdefault(what, zlib.crc32(what.encode()))
-    return hash((code, mean, *[(count, ord(dtype.kind), dtype.itemsize) for count, dtype in parts])) or 1
-
-
-def one_buffer_signature(what: str, count: int, dtype: Any, mean: bool) -> int:
-    """`signature` of one buffer of a dtype MPI has a datatype for (a builtin NumPy type, whose `num` is the same
-    in every process), in fewer steps: the usual multi-worker all-reduce asks right after a transfer has left
-    the caches cold."""
-    return hash((_CODES.get(what) or signature(what, ()), mean, count, dtype.num)) or 1
+    if len(parts) == 1:  # the usual call, in fewer steps (it runs right after a transfer has left the caches cold)
+        count, dtype = parts[0]
+        return hash((code, mean, count, ord(dtype.kind), dtype.itemsize)) or 1
+    return hash((code, mean, *[x for count, dtype in parts for x in (count, ord(dtype.kind), dtype.itemsize)])) or 1
 
 
 class InCall(NamedTuple):

@@ -16,7 +16,7 @@ import numpy as np
 
 from distrib.backends.cpu import CpuBackend, native_order, _shared as shared_views
 from distrib.backends.packed import FLOAT_PREFIXES, unpack_into
-from distrib.backends.announcements import one_buffer_signature, signature
+from distrib.backends.announcements import signature
 from distrib.backends.process_group import ProcessGroup
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, AllReducePlan, dtype_name
@@ -156,7 +156,7 @@ class MpiBackend(CpuBackend):
             return None
         total = self._pool.take(flat.nbytes).view(flat.dtype)  # 1-D, no shape arithmetic: `empty` does more
         self.group.collectives.run(what, self.group.comm.Allreduce, timeout,
-                                   one_buffer_signature(what, flat.size, flat.dtype, mean), [flat, mpi_type],
+                                   signature(what, ((flat.size, flat.dtype),), mean), [flat, mpi_type],
                                    [total, mpi_type], wire[1])
         return total
 
@@ -194,7 +194,7 @@ class MpiBackend(CpuBackend):
             value = per_device[0][0]  # call, straight from the array into the result
             # the plan's dtype by name, from the memo: `dtype == "float32"` parses the string every time (2-3 µs
             # of a 1 MB call, right after a transfer has left the caches cold)
-            total = self._sum_whole(value, "all_reduce", timeout, plan.mean) if type(value) is np.ndarray and \
+            total = self._sum_whole(value, "all_reduce", timeout, single[2]) if type(value) is np.ndarray and \
                 dtype_name(value.dtype) == single[0] else None
             if total is not None:
                 _, shape, float_mean = single
@@ -211,7 +211,9 @@ class MpiBackend(CpuBackend):
         reductions = [self._reduction([self.pack([values[m.index] for m in buffer.members], buffer, device)
                                        for values, device in zip(per_device, devices)], buffer.chunks)
                       for buffer in buffers]
-        self._sum_across(reductions, "all_reduce", timeout, plan.mean)
+        # a signature's `mean` is whether floats are averaged, on every route (`_one_value` passes the same)
+        self._sum_across(reductions, "all_reduce", timeout,
+                         plan.mean and any(buffer.dtype.startswith(FLOAT_PREFIXES) for buffer in buffers))
         results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
         for buffer, (_, total, _) in zip(buffers, reductions):
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)

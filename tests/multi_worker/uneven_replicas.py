@@ -27,6 +27,14 @@ report["gathered"] = [{k: np.asarray(v).tolist() for k, v in g.items()}
 alone = strategy.run(lambda: distrib.get_replica_context().all_gather(  # one value, as long everywhere, along axis 1
     np.full((1, 2), distrib.get_replica_context().replica_id_in_sync_group, np.int64), axis=1))
 report["gathered_alone"] = [np.asarray(a).tolist() for a in strategy.experimental_local_results(alone)]
+# the process of one replica sums straight from its array, the other packs its three first: the same collective,
+# which their announcements must describe alike
+report["sums"] = {}
+for name, op, value in (("float32 SUM", "SUM", np.ones(3, np.float32)),
+                        ("float32 MEAN", "MEAN", np.ones(3, np.float32)), ("int32 SUM", "SUM", np.ones(3, np.int32)),
+                        ("int32 MEAN", "MEAN", np.ones(3, np.int32)), ("float16 SUM", "SUM", np.ones(3, np.float16))):
+    summed = strategy.run(lambda: distrib.get_replica_context().all_reduce(op, value))
+    report["sums"][name] = [np.asarray(v).tolist() for v in strategy.experimental_local_results(summed)]
 try:
     strategy.extended.reduce_to("SUM", np.ones(2, np.float32), destinations="CPU:0")
 except ValueError as exc:
