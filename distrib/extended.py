@@ -411,6 +411,10 @@ class StrategyExtended(abc.ABC):
         (then `_call_for_each_replica` runs it)."""
         return NOT_NOW
 
+    def _refuse_collective(self) -> None:
+        """Tells the other processes of a job that this one will not make the collective whose values it has just
+        refused (see MultiWorkerExtended); nothing in one process."""
+
     def _close(self) -> None:
         """Releases what the strategy holds (threads); nothing by default."""
 

@@ -8,7 +8,8 @@ all-reduces (CollectiveAllReduce), as in TensorFlow, since the other processes' 
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import numpy as np
 
@@ -49,13 +50,42 @@ class MultiWorkerExtended(MirroredExtended):
         context.require_cross_replica("reduce_to", self._strategy_ref())
         op = ReduceOp.from_value(reduce_op)
         if arrays[0].dtype not in REDUCIBLE:
-            check_reduce_inputs(arrays, 0)
+            self._refusing(check_reduce_inputs, arrays, 0)
         reduced = self._cross_device_ops.batch_all_reduce(self._backend, op, [[arrays[0]]], self._devices,
                                                           self._options if options is None else
                                                           self._options.merge(options))
         result = Mirrored.__new__(Mirrored)  # `Mirrored._wrap` inline
         result._values = (reduced[0][0],)
         return result
+
+    # A process that refuses a collective's values before making it (its replicas disagree, a value cannot be
+    # reduced) says so to the others: they raise CollectiveMismatchError at that collective instead of making it,
+    # and its next collective cannot pair with theirs (which summed the wrong values, or waited for good).
+
+    def _refuse_collective(self) -> None:
+        self._group.collectives.refuse()
+
+    def _refusing(self, collective: Callable[..., Any], *args: Any) -> Any:
+        """`collective(*args)`, refusing it where it raises ValueError or TypeError before announcing anything."""
+        channel = self._group.collectives
+        sequence = channel.sequence
+        try:
+            return collective(*args)
+        except (ValueError, TypeError):
+            if channel.sequence == sequence:
+                channel.refuse()
+            raise
+
+    def _rendezvous(self, replica_id, kind, merge, payload, options):
+        if kind != "merge_call":  # a merge_call's function is the program's: its errors are not a refusal
+            merge = functools.partial(self._refusing, merge)
+        return super()._rendezvous(replica_id, kind, merge, payload, options)
+
+    def _batch_reduce_to(self, op, pairs, options):
+        return self._refusing(super()._batch_reduce_to, op, pairs, options)
+
+    def _reduce_to_host(self, op, leaves, axis):
+        return self._refusing(super()._reduce_to_host, op, leaves, axis)
 
     @property
     def should_checkpoint(self) -> bool:
@@ -158,8 +188,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         for leaf, path in zip(leaves, spec.paths()):
             arrays = [extended.backend.to_device(c, d) for c, d in zip(local_components(leaf) or (leaf,) * len(devices),
                                                                       devices)]
-            check_gather_shapes("Strategy.gather", [a.shape for a in arrays], [a.dtype for a in arrays], axis, path,
-                                extended._first_local_replica)
+            extended._refusing(check_gather_shapes, "Strategy.gather", [a.shape for a in arrays],
+                               [a.dtype for a in arrays], axis, path, extended._first_local_replica)
             per_leaf.append(arrays)
         if not per_leaf:
             return unflatten(spec, [])

@@ -54,6 +54,10 @@ class ReplicaHost(Protocol):
         payload per replica in replica order and returns one result per replica. `options.timeout` bounds the wait.
         """
 
+    def _refuse_collective(self) -> None:
+        """Tells the other processes, if any, that this one will not make the collective whose values it has just
+        refused (they raise there instead of waiting)."""
+
     def _batch_all_reduce(self, op: ReduceOp, per_replica: Sequence[Sequence[Any]],
                           options: CommunicationOptions) -> list[list[Any]]:
         """All-reduce of `per_replica[r][v]` (arrays already on replica r's device); the same layout back."""
@@ -153,8 +157,12 @@ class ReplicaContext:
             if host._host_arrays and type(value) is np.ndarray and value.dtype.kind not in NOT_REDUCIBLE:
                 arrays = [value]
             else:
-                arrays = host._to_replica_device([value], self._replica_id)
-                _check_numeric(arrays, LEAF_SPEC)
+                try:
+                    arrays = host._to_replica_device([value], self._replica_id)
+                    _check_numeric(arrays, LEAF_SPEC)
+                except (ValueError, TypeError):
+                    host._refuse_collective()
+                    raise
             if timeline.recording is None:  # the cross-device op straight away: nothing it calls asks for the
                 try:  # cross-replica frame that `_merge_inline` pushes (5 µs of a 1 MB step, measured)
                     return host._cross_device_ops.batch_all_reduce(host._backend, op, [arrays], host._devices,
@@ -185,7 +193,11 @@ class ReplicaContext:
             # them (the check of its rank and axis that the merge makes; no closures, rendezvous or frame)
             options = host._options if options is None else host._merged_options(options)
             try:
-                check_gather_shapes("all_gather", [value.shape], [value.dtype], axis, ())
+                try:
+                    check_gather_shapes("all_gather", [value.shape], [value.dtype], axis, ())
+                except ValueError:
+                    host._refuse_collective()
+                    raise
                 return host._batch_all_gather([[value]], axis, options)[0][0]
             except BaseException as exc:
                 host._merge_error = exc  # a merge's error: the run leaves it unnamed, as `_merge_inline` does

@@ -317,9 +317,9 @@ def test_one_replica_per_process_all_reduces_as_one_process(one_replica_each):
     assert len(checks) == 16 and all(checks.values()), checks
 
 
-def assert_every_check_passes(program: str, tmp_path, checks: int, replicas: int) -> None:
+def assert_every_check_passes(program: str, tmp_path, checks: int, replicas: int, **env: str) -> None:
     """`program` (rank 0 writes {check: passed} to the JSON file it is given) made `checks` checks, all passed."""
-    done = mpirun(program, str(tmp_path / "report.json"), replicas=replicas)
+    done = mpirun(program, str(tmp_path / "report.json"), replicas=replicas, **env)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report) == checks and all(report.values()), [name for name, ok in report.items() if not ok]
@@ -426,8 +426,10 @@ def test_merging_something_that_is_not_a_trace_says_which_file(tmp_path, capsys)
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.parametrize("announcements", ["shared-memory", "messages"])
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_processes_that_pass_different_values_to_a_collective_all_raise_and_go_on(tmp_path, replicas):
+def test_processes_that_pass_different_values_to_a_collective_all_raise_and_go_on(tmp_path, replicas, announcements):
     # each process's replicas agree with each other, so only the processes' announcements can tell: before, an
-    # all_reduce returned wrong sums, or raised MPI_ERR_TRUNCATE on one rank only and left the other waiting
-    assert_every_check_passes("mismatches.py", tmp_path, 14, replicas)
+    # all_reduce returned wrong sums, or raised MPI_ERR_TRUNCATE on one rank only and left the other waiting; and a
+    # process that refused its values before a collective left the others one collective behind it
+    assert_every_check_passes("mismatches.py", tmp_path, 17, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)

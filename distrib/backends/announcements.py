@@ -4,13 +4,14 @@ Before a collective a rank announces its number to every peer, then polls until 
 too; only then does it make the blocking, fast MPI call, which every peer is about to make as well. A peer that
 never announces it within the timeout is named in a DeadlineExceededError. Peers on the same host read the number
 from a slot in memory they share (a file they all map): one store to announce, one load per peer to check, no
-MPI call. Peers on other hosts get it as an 8-byte message (restarting one persistent send per peer, polling
-pre-posted persistent receives). At 1 MB across two processes here (timed right after a barrier, caches cold),
-messages cost about 9 µs per collective and slots about 5 µs, the call's lock and its record for the watchdog
-included. `$DISTRIB_MPI_ANNOUNCEMENTS=messages` sends messages to every peer. (Open MPI's non-blocking
-collectives, which could be polled directly, moved a 1 MB buffer 3-5 times slower than its blocking ones in
-back-to-back loops, and 25-30 % slower timed call by call after a barrier: either way more than an announcement
-costs.)
+MPI call. Peers on other hosts get it as a 16-byte message (restarting one persistent send per peer, polling
+pre-posted persistent receives). With the number travels the collective's signature (what it moves): where two
+ranks' differ, every rank raises CollectiveMismatchError instead of making the call. At 1 MB across two
+processes here (timed right after a barrier, caches cold), messages cost about 9 µs per collective and slots
+about 5 µs, the call's lock and its record for the watchdog included. `$DISTRIB_MPI_ANNOUNCEMENTS=messages` sends
+messages to every peer. (Open MPI's non-blocking collectives, which could be polled directly, moved a 1 MB buffer
+3-5 times slower than its blocking ones in back-to-back loops, and 25-30 % slower timed call by call after a
+barrier: either way more than an announcement costs.)
 
 The wait spins, as MPI's own blocking calls do: yielding the core to whatever else runs there (the peer is on
 another core) delays the collective by a scheduler time slice when the machine is busy. It yields only when a
@@ -40,6 +41,7 @@ _CHECK_SENDS_EVERY = 32
 QUICK_POLLS = 64  # polls made before the wait looks at the clock: a peer in step announces within microseconds
 SPIN_SECONDS = 0.05  # a late peer is polled without pause this long, then every NAP_SECONDS
 NAP_SECONDS = 0.0005
+REFUSED = -1  # the signature of a collective a rank announces but will not make (`refuse`); hash() is never -1
 LEFT_CHECK_SECONDS = 0.001  # a wait looks for peers that left once it has lasted this long
 
 
@@ -97,13 +99,14 @@ class Channel:
         self._near_slots = tuple(slots[r] for r in self._near)  # theirs
         self._peers = tuple(r for r in range(group.size) if r != group.rank and r not in slots)  # by message
         self._seen = [0] * len(self._peers)  # the last collective each of them announced
+        self._signatures = [0] * len(self._peers)  # its signature
         # Python arrays, not NumPy: after a large transfer has evicted the interpreter's working set from the
         # caches, every distinct piece of code a collective runs costs cache misses (NumPy's scalar paths
         # cost microseconds there); persistent requests likewise spare building a request per message
-        self._inboxes = [array.array("q", [0]) for _ in self._peers]
+        self._inboxes = [array.array("q", [0, 0]) for _ in self._peers]  # (number, signature)
         self._receives = [self._board.Recv_init([inbox, MPI.INT64_T], source=peer, tag=_TAG)
                           for inbox, peer in zip(self._inboxes, self._peers)]
-        self._stamp = array.array("q", [0])  # the number announced, sent to every peer by `_stamp_sends`
+        self._stamp = array.array("q", [0, 0])  # the announcement sent to every peer by `_stamp_sends`
         self._stamp_sends = [self._board.Send_init([self._stamp, MPI.INT64_T], dest=peer, tag=_TAG)
                              for peer in self._peers]
         if self._receives:
@@ -116,22 +119,23 @@ class Channel:
         """Announces collective `what`, waits until every peer has announced it, then makes it (`call(*args)`).
 
         `signature` (0: none; else an integer equal on every rank for the same collective, from `signature`)
-        travels with the announcement to the peers on this host; where one of theirs differs, no rank makes the
-        call and each raises CollectiveMismatchError (peers heard by message are not compared).
+        travels with the announcement; where a peer's is another nonzero one, or the peer refused the collective
+        (`refuse`), no rank makes the call and each raises CollectiveMismatchError.
 
         Raises:
           DeadlineExceededError: naming the ranks that never announced it within `timeout` seconds.
           WorkerFailedError: the job already failed, or a peer's program ended before it (naming the peer).
-          CollectiveMismatchError: a peer announced this collective with another nonzero signature.
+          CollectiveMismatchError: a peer announced this collective with another nonzero signature, or refused it.
         """
         with self._lock:
             if self.group.broken is not None:
                 self.group.check_usable(what)
             if self._peers or self._slot is None:
-                self._announce_and_wait(what, timeout)
+                self._announce_and_wait(what, timeout, signature)
             else:  # every peer on this host: `_announce` and `_missing` for slots alone, inline
                 self.sequence = sequence = self.sequence + 1
-                self._slot[1] = signature  # before the number: a peer that reads the number reads it too
+                cell = 2 - (sequence & 1)  # see `_shared_slots`
+                self._slot[cell] = signature  # before the number: a peer that reads the number reads it too
                 self._slot[0] = sequence
                 slots = self._near_slots
                 # a peer's store takes a few hundred ns to reach this core, so ranks that arrive together each find
@@ -147,29 +151,45 @@ class Channel:
                     self._wait_for_peers(what, timeout)
                 if signature:
                     for slot in slots:
-                        if slot[1] != signature and slot[1] and slot[0] == sequence:
-                            raise self._mismatch(what, sequence)
+                        if slot[cell] != signature and slot[cell]:
+                            raise self._mismatch(what, sequence, signature)
             self.in_call = _in_call((what, self.sequence, time.monotonic(), timeout))
             try:
                 call(*args)
             finally:
                 self.in_call = None
 
-    def _mismatch(self, what: str, sequence: int) -> CollectiveMismatchError:
-        """The error of collective #`sequence`, which some peers on this host announced with another signature."""
-        mine = self._slot[1]
-        ranks = tuple(peer for peer, slot in zip(self._near, self._near_slots)
-                      if slot[1] != mine and slot[1] and slot[0] == sequence)
+    def _mismatch(self, what: str, sequence: int, mine: int) -> CollectiveMismatchError:
+        """The error of collective #`sequence`, which this rank announced with signature `mine`, and some peers
+        with another nonzero one, or refused."""
+        cell = 2 - (sequence & 1)
+        theirs = [(peer, slot[cell]) for peer, slot in zip(self._near, self._near_slots)] + \
+            list(zip(self._peers, self._signatures))
+        other = tuple(sorted(peer for peer, signature in theirs if signature not in (mine, 0, REFUSED)))
+        refused = tuple(sorted(peer for peer, signature in theirs if signature == REFUSED))
+        group, said = self.group, []
+        if other:
+            said.append(f"{group.describe(other)} made collective #{sequence} of the job's {self.name} with other "
+                        f"values than this rank (another size, dtype, number of values or reduce op)")
+        if refused:
+            said.append(f"{group.describe(refused)} refused it: it raised on its own values first (its replicas "
+                        f"disagreed, or a value could not be reduced or gathered)")
         return CollectiveMismatchError(
-            f"{what} across processes: {self.group.describe(ranks)} made collective #{sequence} of the job's "
-            f"{self.name} with other values than this rank (another size, dtype, number of values or reduce op), "
-            f"so no rank made it. Every process must pass values of the same structure, shapes and dtypes, and "
-            f"the same op, to each collective, in the same order (a process whose own replicas disagreed raised "
-            f"there and skipped the collective its peers made).")
+            f"{what} across processes: {'; '.join(said)}; so no rank made it. Every process must pass values of the "
+            f"same structure, shapes and dtypes, and the same op, to each collective, in the same order.")
 
-    def _announce_and_wait(self, what: str, timeout: float | None) -> None:
-        """`run`'s announcement and wait where some peers hear it by message."""
-        self._announce()
+    def refuse(self) -> None:
+        """Announces the next collective as one this rank will not make, because its values were refused before
+        they reached it (its own replicas disagreed, a value could not be reduced): every peer that reaches it
+        raises CollectiveMismatchError instead of making it, so that this rank's next collective does not pair with
+        it. Does not wait."""
+        with self._lock:
+            if self.group.broken is None:
+                self._announce(REFUSED)
+
+    def _announce_and_wait(self, what: str, timeout: float | None, signature: int) -> None:
+        """`run`'s announcement, wait and comparison of signatures where some peers hear it by message."""
+        self._announce(signature)
         sequence, seen = self.sequence, self._seen
         late = False  # `_missing` inline: the last rank to arrive finds every peer's announcement here, and
         for slot in self._near_slots:  # makes the call at once
@@ -178,11 +198,16 @@ class Channel:
                 break
         for k, receive in enumerate(self._receives):
             if 0 <= seen[k] < sequence and receive.Test():  # negative: the peer left (see `leave`)
-                seen[k] = self._inboxes[k][0]
+                seen[k], self._signatures[k] = self._inboxes[k]
                 if seen[k] >= 0:
                     receive.Start()
         if (late or seen and min(seen) < sequence) and self._missing():
             self._wait_for_peers(what, timeout)
+        if signature:
+            cell = 2 - (sequence & 1)
+            for theirs in [slot[cell] for slot in self._near_slots] + self._signatures:
+                if theirs != signature and theirs:
+                    raise self._mismatch(what, sequence, signature)
 
     def announce(self, what: str = "a collective", timeout: float | None = None, lead: int | None = None) -> int:
         """Announces the next collective without waiting for the peers to reach it; returns its number.
@@ -199,7 +224,7 @@ class Channel:
         with self._lock:
             if self.group.broken is not None:
                 self.group.check_usable(what)
-            self._announce()
+            self._announce(0)
             missing = self._missing()  # takes in what has arrived, so that nothing piles up
             # a peer that left reads as far behind: the wait then tells whether it left before that collective
             if missing and lead is not None and \
@@ -233,27 +258,29 @@ class Channel:
         return [(peer, slot[0]) for peer, slot in zip(self._near, self._near_slots)] + list(zip(self._peers,
                                                                                                self._seen))
 
-    def _announce(self) -> None:
+    def _announce(self, signature: int) -> None:
         self.sequence = sequence = self.sequence + 1
         if self._slot is not None:
+            self._slot[2 - (sequence & 1)] = signature
             self._slot[0] = sequence
         sends = self._stamp_sends
         for send in sends:  # one call per request: Testall and Startall build an array of them each time
             if not send.Test():
-                self._send_from_own_buffer(sequence)
+                self._send_from_own_buffer(sequence, signature)
                 return
-        self._stamp[0] = sequence  # 8-byte sends complete at once: the stamp is free again
+        stamp = self._stamp  # 16-byte sends complete at once: the stamp is free again
+        stamp[0], stamp[1] = sequence, signature
         for send in sends:
             send.Start()
 
-    def _send_from_own_buffer(self, announced: int) -> None:
-        """Sends `announced` to every peer by message from a buffer of its own: an announcement while the stamp's
-        sends are still in flight, or the marker of `leave`."""
+    def _send_from_own_buffer(self, announced: int, signature: int = 0) -> None:
+        """Sends `announced` (and its signature) to every peer by message from a buffer of its own: an
+        announcement while the stamp's sends are still in flight, or the marker of `leave`."""
         MPI = self.group.MPI
         if len(self._sends) >= _CHECK_SENDS_EVERY and MPI.Request.Testall(self._sends):  # rare: look seldom
             self._sends.clear()
             self._stamps.clear()
-        stamp = array.array("q", [announced])  # a buffer of its own; MPI keeps messages to a peer in order
+        stamp = array.array("q", [announced, signature])  # a buffer of its own; MPI keeps messages to a peer in order
         self._stamps.append(stamp)
         for peer in self._peers:
             self._sends.append(self._board.Isend([stamp, MPI.INT64_T], dest=peer, tag=_TAG))
@@ -269,7 +296,9 @@ class Channel:
                 if self._seen[k] < 0 or not receive.Test():  # left, or not there yet
                     missing += (self._peers[k],)
                     break
-                self._seen[k] = self._inboxes[k][0]  # peers announce 1, 2, 3, ... in order, then maybe leave
+                # peers announce 1, 2, 3, ... in order, then maybe leave: this stops at the number waited for, and
+                # keeps its signature (the receive, started again, may overwrite the inbox at once)
+                self._seen[k], self._signatures[k] = self._inboxes[k]
                 if self._seen[k] >= 0:
                     receive.Start()
         return tuple(sorted(missing)) if self._near_slots and self._peers else missing
@@ -344,8 +373,8 @@ def _last_announced(announced: int) -> int:
 
 
 def _shared_slots(MPI: Any, comm: Any, wanted: bool) -> dict[int, memoryview]:
-    """{rank of `comm`: its announcement slot} for the ranks on this host, each two 8-byte integers (the number of
-    the collective announced last, and its signature) in a file they all map (in /dev/shm where there is one),
+    """{rank of `comm`: its announcement slot} for the ranks on this host, each three 8-byte integers in a file they
+    all map (in /dev/shm where there is one),
     starting at 0; {} where this rank is alone on its host, the file cannot be shared, or a rank on this host does
     not want slots (then every peer gets messages): the ranks of a host agree. Collective over `comm`, whatever
     `wanted` is.
@@ -353,6 +382,11 @@ def _shared_slots(MPI: Any, comm: Any, wanted: bool) -> dict[int, memoryview]:
     A mapped file rather than an MPI shared-memory window: creating a window makes some Open MPI 5 builds print
     errors from RMA components that do not apply (osc/ucx without UCX hardware), and only the memory is needed.
     The file is removed as soon as every rank has mapped it, so nothing is left behind, even by a killed job.
+
+    A slot holds the number of the collective its rank announced last, then the signatures of its last odd and
+    last even collective: a peer still comparing collective n reads n's signature even after this rank has moved
+    on to n + 1 (it may: where every rank raised CollectiveMismatchError); only n + 2 could overwrite it, and no
+    rank announces n + 2 before every peer has announced n + 1.
     """
     host = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
@@ -374,7 +408,7 @@ def _shared_slots(MPI: Any, comm: Any, wanted: bool) -> dict[int, memoryview]:
             return {}
         ranks = host.Get_group().Translate_ranks(list(range(size)), comm.Get_group())
         memory = memoryview(board)  # keeps the mapping for the life of the process
-        return {rank: memory[k * _SLOT_BYTES:k * _SLOT_BYTES + 16].cast("q") for k, rank in enumerate(ranks)}
+        return {rank: memory[k * _SLOT_BYTES:k * _SLOT_BYTES + 24].cast("q") for k, rank in enumerate(ranks)}
     finally:
         host.Free()
 

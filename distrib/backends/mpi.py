@@ -255,15 +255,16 @@ class MpiBackend(CpuBackend):
             np.concatenate([flat.reshape(-1) for flat in flats], out=mine)
         spec = self._gather_spec(per_replica, dtype)
         (counts, starts), mpi_type = spec
+        check = signature("all_gather", ((per_replica, dtype),))
         if sum(counts) <= MAX_COUNT:
             group.run("all_gather", group.comm.Allgatherv, timeout, group.MPI.IN_PLACE, [gathered, *spec],
-                      signature=signature("all_gather", ((per_replica, dtype),)))
+                      signature=check)
         else:  # displacements past a C int: each rank's block broadcast from it, in pieces (the same bytes moved)
             units = gathered.view(np.uint8) if mpi_type is group.MPI.BYTE else gathered
             blocks = [(rank, a, b) for rank, (count, start) in enumerate(zip(counts, starts))
                       for a, b in pieces(((start, start + count),))]
             group.run("all_gather", lambda: [group.comm.Bcast([units[a:b], mpi_type], root=rank)
-                                             for rank, a, b in blocks], timeout)
+                                             for rank, a, b in blocks], timeout, signature=check)
         return shared_views(gathered, len(devices))
 
     def _gather_spec(self, per_replica: int, dtype: np.dtype) -> tuple[tuple[list[int], list[int]], Any]:
@@ -293,7 +294,8 @@ class MpiBackend(CpuBackend):
         wire, (_, mpi_type) = self._buffer(out)
         flat = wire.reshape(-1)
         group.run("broadcast", lambda: [group.comm.Bcast([flat[a:b], mpi_type], root=0)
-                                        for a, b in pieces(((0, flat.size),))], timeout)
+                                        for a, b in pieces(((0, flat.size),))], timeout,
+                  signature=signature("broadcast", ((flat.size, flat.dtype),)))
         if wire is not out:
             np.copyto(out, wire, casting="unsafe")
         return shared_views(out, len(devices))

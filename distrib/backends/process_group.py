@@ -150,7 +150,8 @@ class ProcessGroup:
 
     def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
         """Returns once every rank has reached the barrier; raises like any collective otherwise."""
-        self.run(what, lambda: None, timeout)  # every rank announced reaching it: that is the barrier
+        # every rank announced reaching it: that is the barrier (a peer that refused this collective: an error)
+        self.run(what, lambda: None, timeout, signature=_BARRIER)
 
     def any_rank_has(self, flag: bool, timeout: float | None = None) -> bool:
         """Whether `flag` is true on any rank (the input pipeline's end-of-data vote), on the input channel."""
@@ -208,6 +209,8 @@ class ProcessGroup:
     def __repr__(self) -> str:
         return f"<ProcessGroup rank={self.rank} size={self.size} replicas={self.replica_counts}>"
 
+
+_BARRIER = signature("barrier", ())  # every barrier alike, whatever it is for
 
 def _state(pid: int) -> str:
     """The process's state letter from /proc ('R', 'S', 'T' stopped, ...); '' where there is no /proc entry."""

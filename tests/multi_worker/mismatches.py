@@ -1,12 +1,14 @@
 """Run under `mpirun -np 2`; rank 0 writes to the JSON file argv[1], per case, whether the processes passing
 different values to one collective (another size, dtype, number of values or op) made every rank raise
 CollectiveMismatchError before any byte moved, and whether the next collective then gave every rank the right sum.
-Each process's own replicas agree with each other, so only the announcements can tell."""
+Each process's own replicas agree with each other, so only the announcements can tell. Then rank 1 refuses its
+values before a collective that rank 0 makes: rank 0 must raise too, and both go on in step."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -50,6 +52,42 @@ for api, collective in APIS.items():
         right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
         everywhere = MPI.COMM_WORLD.allgather((raised, right))
         report[f"{api}: {case}"] = all(r and ok for r, ok in everywhere)
+
+
+def refused_value(replica_id: int):
+    """Every rank but 0 refuses its values before the collective (its replicas disagree on the dtype; a lone
+    replica's value cannot be reduced, or gathered); rank 0's are fine."""
+    if rank == 0:
+        return np.ones(2, np.float32)
+    if strategy.extended._group.replica_counts[1] == 1:
+        return np.float32(1) if api == "all_gather" else np.array(["a", "b"])
+    return np.ones(2, np.float32 if replica_id == strategy.extended._group.first_replica else np.float64)
+
+
+REFUSALS = {
+    "all_reduce": lambda: strategy.run(lambda: distrib.get_replica_context().all_reduce(
+        "SUM", refused_value(distrib.get_replica_context().replica_id_in_sync_group))),
+    "reduce": lambda: strategy.reduce("SUM", strategy.experimental_distribute_values_from_function(
+        lambda ctx: refused_value(ctx.replica_id_in_sync_group)), axis=None),
+    "all_gather": lambda: strategy.run(lambda: distrib.get_replica_context().all_gather(
+        refused_value(distrib.get_replica_context().replica_id_in_sync_group), 0)),
+}
+for api, collective in REFUSALS.items():
+    # rank 1 refuses first, then makes its next collective, the same all_reduce as rank 0's here, at once: before,
+    # the two paired up and rank 0 went on one collective behind (its next one waited for good)
+    MPI.COMM_WORLD.barrier()
+    if rank == 0:
+        time.sleep(0.3)
+    try:
+        collective()
+        raised = False
+    except (ValueError, TypeError) as error:
+        raised = rank != 0 or isinstance(error, CollectiveMismatchError) and "rank 1 (pid " in str(error) and \
+            "refused it" in str(error)
+    after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
+    right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
+    everywhere = MPI.COMM_WORLD.allgather((raised, right))
+    report[f"refused by one process: {api}"] = all(r and ok for r, ok in everywhere)
 if rank == 0:
     with open(sys.argv[1], "w") as file:
         json.dump(report, file)
