@@ -143,8 +143,9 @@ class MirroredVariable(DistributedVariable):
 def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str, value: Any) -> None:
     """Cross-replica half of a replica-context write: combine the replicas' values, then update every copy."""
     aggregation = variable.aggregation
-    if not isinstance(value, DistributedValues) and strategy.extended._local_components(value) is not None:
-        value = PerReplica((value,))  # one replica per process: its own value, combined with the other processes'
+    components = None if isinstance(value, DistributedValues) else strategy.extended._local_components(value)
+    if components is not None:  # a process of one replica: its own value, combined with the other processes'
+        value = PerReplica(components)  # (and in a job with such a process, every process alike)
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         value = strategy.extended._first_replica_value(value.values[0]) if isinstance(value, PerReplica) else value
     elif isinstance(value, PerReplica):

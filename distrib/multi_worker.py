@@ -33,7 +33,8 @@ class MultiWorkerExtended(MirroredExtended):
                  execution: str | None = None):
         self._group = backend.group
         self._first_local_replica = self._group.first_replica
-        self._plain_values_are_components = set(self._group.replica_counts) == {1}  # one replica each
+        # where some process has one replica, its `run` returns plain values: see `_local_components`
+        self._plain_values_are_components = 1 in self._group.replica_counts
         super().__init__(container_strategy, backend, backend.default_devices(), CollectiveAllReduce(),
                          communication_options, execution)
 
@@ -103,15 +104,16 @@ class MultiWorkerExtended(MirroredExtended):
         return super()._create_variable(self._first_replica_value(initial_value), *args, **kwargs)
 
     def _local_components(self, value: Any) -> tuple | None:
-        # With one replica per process, `run` returns plain values: they are this process's replica's, and are
-        # reduced across the processes (batched with the rest), as TensorFlow does with several workers. Zero
-        # too: whether a process takes part in a collective must not depend on its value (one replica's 0 beside
-        # the others' 1s left that process a collective behind the rest, which then waited for it for good).
-        # Only where every process has one replica: the choice must be the same on every process, or one would
-        # wait in a collective that another never makes.
+        # A process with one replica gets plain values from `run`: they are its replica's, and are reduced across
+        # the processes (batched with the rest), as TensorFlow does with one replica per worker. Zero too: whether
+        # a process takes part in a collective must not depend on its value (one replica's 0 beside the others' 1s
+        # left that process a collective behind the rest, which then waited for it for good). The choice must be
+        # the same on every process, or one would wait in a collective that another never makes: so where any
+        # process has one replica, a plain value is every local replica's value on every process (a constant's
+        # SUM is then the constant times the replicas, as with one replica per process).
         components = local_components(value)
         if components is None and self._plain_values_are_components:
-            return (value,)
+            return (value,) * len(self._devices)
         return components
 
     def _first_replica_value(self, value: Any) -> Any:

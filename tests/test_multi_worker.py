@@ -374,7 +374,7 @@ def test_one_replica_per_process_reduces_gathers_and_updates_variables_as_one_pr
         assert_one_process_with_two_replicas(json.loads((tmp_path / f"report.json.{rank}").read_text()))
 
 
-def test_processes_with_different_replica_counts_split_batches_as_one_process(tmp_path):
+def test_processes_with_different_replica_counts_split_batches_reduce_and_train_as_one_process(tmp_path):
     env = dict(os.environ, DISTRIB_BACKEND="cpu", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     program = [sys.executable, str(HERE / "uneven_replicas.py"), str(tmp_path / "report.json")]
     done = subprocess.run([MPIRUN, "-np", "1", "-x", "DISTRIB_CPU_REPLICAS=1", *program, ":",
@@ -392,8 +392,18 @@ def test_processes_with_different_replica_counts_split_batches_as_one_process(tm
     sums = {name: [4.0 if "SUM" in name else 1.0] * 3 for name in first["sums"]}
     assert len(sums) == 5 and first["sums"] == {k: [v] for k, v in sums.items()}
     assert rest["sums"] == {k: [v] * 3 for k, v in sums.items()}
-    # a plain value's SUM is refused on both processes (the one with one replica did not wait in a collective)
-    assert first["plain_sum"] == rest["plain_sum"] and "cannot be reduced with SUM on 4 replicas" in first["plain_sum"]
+    # the process of one replica reduces and writes its plain values as its replica's (before, it refused a SUM,
+    # or took a MEAN as it was, while the other process waited in the collective)
+    for report in (first, rest):
+        assert report["reduced"] == report["written"] == [10.0, 2.5]  # replicas' 1 + 2 + 3 + 4, and their mean
+        assert report["constant"] == [8.0, 2.0]  # a plain value is each local replica's, on every process alike
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
+    w, b, optimizer = training.build(strategy, seed=0)
+    losses = training.train(strategy, w, b, optimizer, training.batches())
+    for report in (first, rest):  # the chief's initial values, the same updates as one process of four replicas
+        np.testing.assert_allclose(report["losses"], losses, rtol=1e-5)
+        np.testing.assert_allclose(report["w"], w.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(report["b"], b.numpy(), rtol=1e-5)
 
 
 def test_each_rank_records_its_own_timeline_and_merged_they_line_up(tmp_path, monkeypatch, capsys):

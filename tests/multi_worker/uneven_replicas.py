@@ -1,16 +1,22 @@
 """Run under `mpirun` with a different number of emulated replicas per process (1 and 3): each replica gets the
 rows one process with every replica would give it, an all_gather of values whose lengths differ by replica gathers
-every replica's in order, and a plain value's SUM is refused alike on every process.
+every replica's in order; the process of one replica gets plain values from `run`, and they reduce, write
+variables and train as the other process's PerReplica values do (a plain value counts as each local replica's, on
+every process alike).
 
 argv[1] is the report file; each rank writes `<argv[1]>.<rank>`.
 """
 
 import json
+import os
 import sys
 
 import numpy as np
 
 import distrib
+
+sys.path.insert(0, os.path.dirname(__file__))
+import training  # noqa: E402
 
 strategy = distrib.MultiWorkerMirroredStrategy(communication_options=distrib.CommunicationOptions(timeout_seconds=20))
 rank = strategy.cluster_resolver.task_id
@@ -35,9 +41,17 @@ for name, op, value in (("float32 SUM", "SUM", np.ones(3, np.float32)),
                         ("int32 MEAN", "MEAN", np.ones(3, np.int32)), ("float16 SUM", "SUM", np.ones(3, np.float16))):
     summed = strategy.run(lambda: distrib.get_replica_context().all_reduce(op, value))
     report["sums"][name] = [np.asarray(v).tolist() for v in strategy.experimental_local_results(summed)]
-try:
-    strategy.extended.reduce_to("SUM", np.ones(2, np.float32), destinations="CPU:0")
-except ValueError as exc:
-    report["plain_sum"] = str(exc)
+ids = strategy.run(lambda: np.float32(distrib.get_replica_context().replica_id_in_sync_group + 1))
+report["reduced"] = [float(strategy.reduce(op, ids, axis=None)) for op in ("SUM", "MEAN")]
+with strategy.scope():
+    written = [distrib.Variable(np.float32(0), aggregation=aggregation)
+               for aggregation in (distrib.VariableAggregation.SUM, distrib.VariableAggregation.MEAN)]
+strategy.run(lambda: [v.assign(np.float32(distrib.get_replica_context().replica_id_in_sync_group + 1))
+                      for v in written])
+report["written"] = [float(v.numpy()) for v in written]
+report["constant"] = [float(strategy.reduce(op, np.float32(2), axis=None)) for op in ("SUM", "MEAN")]
+w, b, optimizer = training.build(strategy, seed=rank)
+report["losses"] = training.train(strategy, w, b, optimizer, training.batches())
+report["w"], report["b"] = w.numpy().tolist(), float(b.numpy())
 with open(f"{sys.argv[1]}.{rank}", "w") as file:
     json.dump(report, file)
