@@ -6,9 +6,7 @@ import os
 from typing import Any
 
 from distrib.errors import BackendUnavailableError
-
-INSTALL_HINT = "pip install 'distrib[ps]'"
-
+from distrib.install_hint import pip_install
 
 def require_ray() -> Any:
     """The `ray` module, or BackendUnavailableError saying how to install it."""
@@ -16,7 +14,7 @@ def require_ray() -> Any:
         import ray
     except ImportError as exc:
         raise BackendUnavailableError(f"ParameterServerStrategy runs on Ray, which is not installed. Install it "
-                                      f"with {INSTALL_HINT}.") from exc
+                                      f"with {pip_install('ps')}.") from exc
     return ray
 
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -219,3 +220,17 @@ def assert_one_process_with_two_replicas(report: dict) -> None:
     assert report["after_updates"] == {"sum": 10.0, "mean": 8.5, "first": 8.0}
     assert report["reduce_of_a_zero_beside_a_one"] == 1.0  # replica 0's 0 plus replica 1's 1
     assert report["sum_after_adding_zero_and_one"] == 11.0
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def copy_source_tree(destination: pathlib.Path) -> pathlib.Path:
+    """What a build of distrib reads (pyproject.toml, setup.py, README.md, distrib/, kernels/), copied into
+    `destination`, which is returned: builds there leave nothing in the clone."""
+    destination.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, destination / name)
+    for folder in ("distrib", "kernels"):
+        shutil.copytree(ROOT / folder, destination / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return destination

@@ -19,6 +19,7 @@ from typing import Sequence
 from distrib.backends.base import Backend
 from distrib.devices import canonical_name, parse_device
 from distrib.errors import BackendUnavailableError
+from distrib.install_hint import pip_install
 
 logger = logging.getLogger("distrib")
 
@@ -45,7 +46,7 @@ def _log_once(kind: str, message: str) -> None:
 def cuda_problem() -> str | None:
     """Why the CUDA backend cannot run here (None if it can): CuPy missing, or which of a GPU and NCCL is missing."""
     if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed (pip install 'distrib[cuda12]' or 'distrib[cuda13]')"
+        return f"CuPy is not installed ({pip_install('cuda12')}, or the cuda13 extra)"
     try:
         import cupy
     except Exception as exc:  # a broken CuPy install is as good as none

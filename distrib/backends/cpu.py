@@ -24,6 +24,7 @@ from distrib.backends.device_memory import device_memory_error, gpu_location
 from distrib.backends.torch_tensors import exportable, is_torch_tensor
 from distrib.devices import parse_device
 from distrib.errors import BackendUnavailableError
+from distrib.install_hint import pip_install
 from distrib.plan import NATIVE, NCCL, Buffer, dtype_name
 
 DEFAULT_REPLICAS = 2
@@ -317,7 +318,7 @@ class CpuBackend(Backend):
             raise BackendUnavailableError(
                 f"CommunicationImplementation.NCCL needs NCCL between GPUs, but this strategy runs on the CPU "
                 f"emulator. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices "
-                f"(pip install 'distrib[cuda12]' on a machine with NVIDIA GPUs).")
+                f"({pip_install('cuda12')} on a machine with NVIDIA GPUs).")
         single = plan.single
         if single is not None and plan.method == NATIVE:
             reduced = self._one_value(single, [values[0] for values in per_device], plan, devices, timeout)

@@ -31,6 +31,7 @@ from distrib import timeline
 from distrib.backends.announcements import Channel, missing_error, signature
 from distrib.backends.call_watchdog import RESTART, CallWatchdog
 from distrib.errors import BackendUnavailableError, WorkerFailedError
+from distrib.install_hint import pip_install
 
 _GROUPS: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
 LINGER_SECONDS = 1.5  # how long a rank that mpirun is ending waits for its SIGKILL (1 s after SIGTERM; OMPI 5: 0.25 s)
@@ -41,8 +42,8 @@ def import_mpi() -> Any:
     try:
         from mpi4py import MPI
     except ImportError as exc:
-        raise BackendUnavailableError(f"Multi-worker strategies need mpi4py and an MPI library: pip install "
-                                      f"'distrib[mpi]' (and e.g. apt-get install openmpi-bin libopenmpi-dev). "
+        raise BackendUnavailableError(f"Multi-worker strategies need mpi4py and an MPI library: "
+                                      f"{pip_install('mpi')} (and e.g. apt-get install openmpi-bin libopenmpi-dev). "
                                       f"Received: {exc}.") from exc
     return MPI
 

@@ -10,6 +10,7 @@ import sys
 
 from distrib.cli import topology
 from distrib.cli.versions import missing, versions
+from distrib.install_hint import pip_install
 from distrib.mpi_env import mpi_environment
 
 
@@ -90,9 +91,9 @@ def render(facts: dict) -> list[str]:
 
 def _install_command(extras: str) -> str:
     """"distrib[a], distrib[b] or distrib[c]" -> "pip install 'distrib[a]' (or distrib[b], distrib[c])": one extra
-    to install, since pip reads the whole quoted string as one requirement."""
+    to install, since pip reads the whole quoted string as one requirement (from a clone: its path, not the name)."""
     first, *others = re.split(r", | or ", extras)
-    return f"pip install '{first}'" + (f" (or {', '.join(others)})" if others else "")
+    return pip_install(first[len("distrib["):-1]) + (f" (or {', '.join(others)})" if others else "")
 
 
 def main(argv: list[str] | None = None) -> int:

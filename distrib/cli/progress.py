@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from distrib.install_hint import pip_install
+
 
 @dataclass
 class History:
@@ -148,7 +150,7 @@ def progress_display(quiet: bool = False, plain: bool = False) -> PlainProgress:
     if quiet:
         return SilentProgress()
     if importlib.util.find_spec("rich") is None:
-        print("distrib train: rich is not installed, so no progress bar (pip install 'distrib[train]').",
+        print(f"distrib train: rich is not installed, so no progress bar ({pip_install('train')}).",
               file=sys.stderr)
         return PlainProgress()
     return RichProgress() if sys.stdout.isatty() and not plain else PlainProgress()

@@ -32,6 +32,7 @@ from distrib.cli.progress import (History, TrainingDiverged, check_finite, plot_
 from distrib.cli.train_strategy import compute_dtype, make_strategy, replicas_at_once, shared_cores
 from distrib.datasets import DIGITS_CLASSES, load_digits
 from distrib.errors import BackendUnavailableError, CheckpointError, WorkerFailedError
+from distrib.install_hint import pip_install
 from distrib.mpi_env import mpi_environment
 from distrib.optimizers import SGD, Adam
 from distrib.strategy import Strategy
@@ -153,7 +154,7 @@ def train(args: argparse.Namespace, strategy: Strategy) -> Result:
     accuracy = history.test_accuracy[-1] if history.test_accuracy else evaluate()
     plot = None
     if chief and importlib.util.find_spec("matplotlib") is None:
-        print("distrib train: matplotlib is not installed, so no loss-curve PNG (pip install 'distrib[train]').",
+        print(f"distrib train: matplotlib is not installed, so no loss-curve PNG ({pip_install('train')}).",
               file=sys.stderr)
     elif chief and history.step_loss:
         plot = args.out / "loss.png"

@@ -12,6 +12,7 @@ import numpy as np
 
 from distrib.backends import detect, get_backend
 from distrib.backends.parallel import usable_cores
+from distrib.install_hint import pip_install
 from distrib.mirrored import MirroredStrategy
 from distrib.mpi_env import mpi_environment
 from distrib.multi_worker import MultiWorkerMirroredStrategy
@@ -66,7 +67,7 @@ def shared_cores(replicas: int):
     """Limits BLAS and OpenMP to `blas_threads` inside the block (threadpoolctl: any BLAS); yields the limit."""
     if importlib.util.find_spec("threadpoolctl") is None:
         print("distrib train: threadpoolctl is not installed, so BLAS threads are not shared among the replicas "
-              "(pip install 'distrib[train]').", file=sys.stderr)
+              f"({pip_install('train')}).", file=sys.stderr)
         yield None
         return
     from threadpoolctl import threadpool_limits

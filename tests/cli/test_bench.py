@@ -17,6 +17,7 @@ from distrib import backends, cli
 from distrib.cli.bench import report
 from distrib.cli.bench.runners import NumpySeries, RowSpec, count_wrong
 from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, footer, parse_size, row, sizes
+from distrib.install_hint import pip_install
 
 QUICK = ["-g", "4", "-b", "1K", "-e", "8K", "-f", "8", "-n", "2", "-w", "1"]
 
@@ -139,7 +140,7 @@ def test_output_files_are_checked_before_measuring(tmp_path, capsys):
                f"sys.exit(cli.main(['bench', 'all_reduce', '--plot', {str(tmp_path / 'r.png')!r}]))")
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (
-        2, "distrib bench: error: --plot needs matplotlib: pip install 'distrib[bench]'.")
+        2, f"distrib bench: error: --plot needs matplotlib: {pip_install('bench')}.")
     assert result.stdout == ""  # refused before the first row
 
 

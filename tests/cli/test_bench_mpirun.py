@@ -15,6 +15,7 @@ from support import MPIRUN, mpirun_env, needs_mpirun
 
 from distrib.cli.bench import report
 from distrib.cli.bench.table import COLLECTIVES, bandwidths
+from distrib.install_hint import pip_install
 
 JOB = pathlib.Path(__file__).parents[1] / "multi_worker" / "bench_job.py"
 pytestmark = needs_mpirun
@@ -127,5 +128,5 @@ def test_without_mpi4py_every_rank_says_what_to_install_in_one_line(tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("distrib bench: error: ")]
-    assert errors and all(line.startswith("distrib bench: error: Multi-worker strategies need mpi4py and an MPI "
-                                          "library: pip install 'distrib[mpi]'") for line in errors)
+    assert errors and all(line.startswith(f"distrib bench: error: Multi-worker strategies need mpi4py and an MPI "
+                                          f"library: {pip_install('mpi')}") for line in errors)

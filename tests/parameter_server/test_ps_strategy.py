@@ -15,6 +15,7 @@ import distrib.runner
 from distrib.cluster_resolver import RayClusterResolver
 from distrib.errors import ContextError
 from distrib.experimental.partitioners import FixedShardsPartitioner, MinSizePartitioner
+from distrib.install_hint import pip_install
 from support import import_torch
 
 pytestmark = pytest.mark.timeout(60)
@@ -226,8 +227,8 @@ def test_distrib_imports_without_ray_and_the_strategy_says_what_to_install():
                "except BackendUnavailableError as exc:\n"
                "    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True).stdout
-    assert out.startswith("ParameterServerStrategy runs on Ray, which is not installed. Install it with "
-                          "pip install 'distrib[ps]'.")
+    assert out.startswith(f"ParameterServerStrategy runs on Ray, which is not installed. Install it with "
+                          f"{pip_install('ps')}.")
 
 
 def test_the_ray_resolver_reads_the_cluster(ray_cluster):

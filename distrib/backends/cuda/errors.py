@@ -6,6 +6,7 @@ import functools
 from typing import Any, Callable
 
 from distrib.errors import CollectiveError, DeviceError, KernelCompileError, ResourceExhaustedError
+from distrib.install_hint import pip_install
 
 OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation and CUDA_ERROR_OUT_OF_MEMORY share the code
 
@@ -54,8 +55,8 @@ def _cuda(exc: BaseException, operation: str) -> Exception:
 def _compile(exc: BaseException, operation: str) -> Exception:
     log = getattr(exc, "get_message", lambda: str(exc))()
     return KernelCompileError(f"{operation} could not compile its CUDA kernel with NVRTC: {log}. Check that the "
-                              f"NVRTC library matches the CUDA driver (pip install 'distrib[cuda12]' or "
-                              f"'distrib[cuda13]').")
+                              f"NVRTC library matches the CUDA driver ({pip_install('cuda12')}, or the cuda13 "
+                              f"extra).")
 
 
 def _nccl(exc: BaseException, operation: str) -> Exception:

@@ -21,6 +21,7 @@ from distrib.cli.bench.output import Output
 from distrib.cli.bench.runners import DistribSeries, NumpySeries, Prepared, RowSpec, count_wrong
 from distrib.cli.bench.sweep import TYPES, SweepError, combinations
 from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, footer, header, parse_size, row, sizes
+from distrib.install_hint import pip_install
 from distrib.mpi_env import mpi_environment
 
 BATCH_DEFAULTS = ("4K", "1M")  # -b and -e for batch_reduce: 4 to 1,024 arrays of 1 KiB
@@ -85,7 +86,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if launched is not None and launched[1] != 0:  # rank 0 alone writes files
         return
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise _fail("--plot needs matplotlib: pip install 'distrib[bench]'.")
+        raise _fail(f"--plot needs matplotlib: {pip_install('bench')}.")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             try:

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from distrib.install_hint import pip_install
+
 SCHEMA = "distrib-bench/1"
 MEASUREMENT_KEYS = {"time_us": float, "algbw_GBps": float, "busbw_GBps": float, "wrong": (int, type(None))}
 ROW_KEYS = {"size": int, "count": int, "type": str, "redop": str, "root": int, "results": dict}
@@ -71,12 +73,12 @@ def plot(document: dict, path: str | Path) -> Path:
     type and op of distrib's first series); the device and date in the title.
 
     Raises:
-      ModuleNotFoundError: matplotlib is missing (pip install 'distrib[bench]').
+      ModuleNotFoundError: matplotlib is missing (the bench extra).
     """
     try:
         import matplotlib
     except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError("--plot needs matplotlib: pip install 'distrib[bench]'.") from exc
+        raise ModuleNotFoundError(f"--plot needs matplotlib: {pip_install('bench')}.") from exc
     matplotlib.use("Agg")
     from matplotlib import pyplot
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distrib.install_hint import pip_install
+
 # nccl-tests' type names (and NumPy's), as -d takes them; -d all runs nccl-tests' list, in its order
 TYPES = {"int8": "int8", "uint8": "uint8", "int32": "int32", "uint32": "uint32", "int64": "int64",
          "uint64": "uint64", "half": "float16", "float": "float32", "double": "float64", "bfloat16": "bfloat16",
@@ -46,7 +48,7 @@ def numpy_dtype(name: str) -> np.dtype:
         try:
             import ml_dtypes
         except ModuleNotFoundError:
-            raise SweepError("-d bfloat16 needs ml_dtypes: pip install 'distrib[bench]'.") from None
+            raise SweepError(f"-d bfloat16 needs ml_dtypes: {pip_install('bench')}.") from None
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(TYPES[name])
 

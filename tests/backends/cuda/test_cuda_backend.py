@@ -11,6 +11,7 @@ from distrib import backends
 from distrib.backends.cuda import devices as cuda_devices
 from distrib.backends.cuda.devices import Gpu
 from distrib.errors import BackendUnavailableError
+from distrib.install_hint import pip_install
 from distrib.variables import Variable
 
 cupy = pytest.importorskip("cupy", reason="CuPy comes with distrib[test]")
@@ -68,7 +69,7 @@ def test_detection_falls_back_to_the_cpu_naming_what_is_missing(machine, caplog,
 def test_detection_names_the_extra_when_cupy_is_missing(monkeypatch, fresh_detection):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cupy" else real(name, *a))
-    assert backends.cuda_problem() == "CuPy is not installed (pip install 'distrib[cuda12]' or 'distrib[cuda13]')"
+    assert backends.cuda_problem() == f"CuPy is not installed ({pip_install('cuda12')}, or the cuda13 extra)"
     assert backends.detect() == "cpu"
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,11 +14,11 @@ import pytest
 
 from distrib import optimizers
 from distrib.backends.cuda import dtypes as cuda_dtypes, kernels as cuda_kernels
+from support import copy_source_tree
 
 cupy = pytest.importorskip("cupy", reason="CuPy comes with distrib[test]")
 cuda = pytest.importorskip("distrib.backends.cuda.backend")
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
 KERNEL_FILES = sorted(cuda_kernels.SOURCES.glob("*.cu"))
 # cupy.cuda.compiler appends these to every RawModule's options, after the loader's, so they win
 CUPY_APPENDS = ("-ftz=true",)
@@ -135,12 +134,7 @@ def test_no_kernel_flushes_subnormals_to_zero_as_cupy_compiles_it(path, arch):
 
 
 def test_the_kernels_ship_in_the_wheel(tmp_path):
-    source = tmp_path / "src"
-    source.mkdir()
-    for name in ("pyproject.toml", "setup.py", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    for folder in ("distrib", "kernels"):
-        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    source = copy_source_tree(tmp_path / "src")
     # no build isolation: the installed setuptools builds it, so the test needs no index (GPU machines have none)
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                              str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=300)
