@@ -64,7 +64,7 @@ class MultiWorkerExtended(MirroredExtended):
     # and its next collective cannot pair with theirs (which summed the wrong values, or waited for good).
 
     def _refuse_collective(self) -> None:
-        self._group.collectives.refuse()
+        self._group.collectives.refuse(self._options.timeout)
 
     def _refusing(self, collective: Callable[..., Any], *args: Any) -> Any:
         """`collective(*args)`, refusing it where it raises ValueError or TypeError before announcing anything."""
@@ -74,7 +74,7 @@ class MultiWorkerExtended(MirroredExtended):
             return collective(*args)
         except (ValueError, TypeError):
             if channel.sequence == sequence:
-                channel.refuse()
+                channel.refuse(self._options.timeout)
             raise
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):

@@ -443,3 +443,19 @@ def test_processes_that_pass_different_values_to_a_collective_all_raise_and_go_o
     # all_reduce returned wrong sums, or raised MPI_ERR_TRUNCATE on one rank only and left the other waiting; and a
     # process that refused its values before a collective left the others one collective behind it
     assert_every_check_passes("mismatches.py", tmp_path, 17, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)
+
+
+def test_a_slot_overwritten_by_a_later_collective_reads_as_no_mismatch_and_a_refusal_waits(tmp_path):
+    # before, a peer two collectives ahead (its refusal did not wait) left another collective's signature where
+    # this rank read the one it compared: a false CollectiveMismatchError at a broadcast, and the job hung
+    done = mpirun("slot_cells.py", str(tmp_path / "report.json"), replicas=1,
+                  DISTRIB_MPI_ANNOUNCEMENTS="shared-memory")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    first, second = report["rank 0"], report["rank 1"]
+    assert first["slots"] and second["slots"]
+    assert second["made"] == ["first", "third"]
+    assert "rank 0 (pid " in second["refused"] and "refused it" in second["refused"]
+    assert second["refusal waited"] >= 0.25  # until rank 0, 0.3 s late, reached the refused collective
+    assert "rank 1 (pid " in first["peer of the refusal"] and "refused it" in first["peer of the refusal"]
+    assert first["sum after"] == second["sum after"] == 3.0

@@ -41,7 +41,9 @@ _CHECK_SENDS_EVERY = 32
 QUICK_POLLS = 64  # polls made before the wait looks at the clock: a peer in step announces within microseconds
 SPIN_SECONDS = 0.05  # a late peer is polled without pause this long, then every NAP_SECONDS
 NAP_SECONDS = 0.0005
-REFUSED = -1  # the signature of a collective a rank announces but will not make (`refuse`); hash() is never -1
+REFUSED = 1  # the signature of a collective a rank announces but will not make (`refuse`); `signature` never is
+_SIGNATURE_BITS = 47  # a signature beside 16 bits of its collective's number fits a slot's signed 8-byte cell
+_NUMBER = (1 << 16) - 1  # the bits of the number stored beside a signature in a slot
 LEFT_CHECK_SECONDS = 0.001  # a wait looks for peers that left once it has lasted this long
 
 
@@ -51,12 +53,22 @@ _CODES: dict[str, int] = {}
 def signature(what: str, parts: Sequence[tuple[int, Any]], mean: bool = False) -> int:
     """What a collective moves, as an integer equal on every rank that makes the same collective (`Channel.run`
     compares them), whichever route each rank's values take to it: `what`, each buffer's element count and dtype,
-    and whether it averages. Built from integers only, since a str's hash differs from process to process."""
+    and whether it averages. Built from integers only, since a str's hash differs from process to process; never
+    0 (none) or REFUSED."""
     code = _CODES.get(what) or _CODES.setdefault(what, zlib.crc32(what.encode()))
     if len(parts) == 1:  # the usual call, in fewer steps (it runs right after a transfer has left the caches cold)
         count, dtype = parts[0]
-        return hash((code, mean, count, ord(dtype.kind), dtype.itemsize)) or 1
-    return hash((code, mean, *[x for count, dtype in parts for x in (count, ord(dtype.kind), dtype.itemsize)])) or 1
+        value = hash((code, mean, count, ord(dtype.kind), dtype.itemsize)) & ((1 << _SIGNATURE_BITS) - 1)
+    else:
+        value = hash((code, mean, *[x for count, dtype in parts for x in (count, ord(dtype.kind), dtype.itemsize)])
+                     ) & ((1 << _SIGNATURE_BITS) - 1)
+    return value if value > REFUSED else value + 2
+
+
+def _differs(cell: int, sequence: int, signature: int) -> bool:
+    """Whether a peer's slot cell holds collective `sequence` with a nonzero signature other than `signature` (a
+    cell that holds another collective's, a later one, cannot tell)."""
+    return cell & _NUMBER == sequence & _NUMBER and cell >> 16 != signature and cell >> 16 != 0
 
 
 class InCall(NamedTuple):
@@ -135,7 +147,8 @@ class Channel:
             else:  # every peer on this host: `_announce` and `_missing` for slots alone, inline
                 self.sequence = sequence = self.sequence + 1
                 cell = 2 - (sequence & 1)  # see `_shared_slots`
-                self._slot[cell] = signature  # before the number: a peer that reads the number reads it too
+                mine = signature << 16 | sequence & _NUMBER
+                self._slot[cell] = mine  # before the number: a peer that reads the number reads it too
                 self._slot[0] = sequence
                 slots = self._near_slots
                 # a peer's store takes a few hundred ns to reach this core, so ranks that arrive together each find
@@ -151,7 +164,8 @@ class Channel:
                     self._wait_for_peers(what, timeout)
                 if signature:
                     for slot in slots:
-                        if slot[cell] != signature and slot[cell]:
+                        theirs = slot[cell]
+                        if theirs != mine and _differs(theirs, sequence, signature):
                             raise self._mismatch(what, sequence, signature)
             self.in_call = _in_call((what, self.sequence, time.monotonic(), timeout))
             try:
@@ -163,8 +177,8 @@ class Channel:
         """The error of collective #`sequence`, which this rank announced with signature `mine`, and some peers
         with another nonzero one, or refused."""
         cell = 2 - (sequence & 1)
-        theirs = [(peer, slot[cell]) for peer, slot in zip(self._near, self._near_slots)] + \
-            list(zip(self._peers, self._signatures))
+        theirs = [(peer, slot[cell] >> 16 if slot[cell] & _NUMBER == sequence & _NUMBER else 0)
+                  for peer, slot in zip(self._near, self._near_slots)] + list(zip(self._peers, self._signatures))
         other = tuple(sorted(peer for peer, signature in theirs if signature not in (mine, 0, REFUSED)))
         refused = tuple(sorted(peer for peer, signature in theirs if signature == REFUSED))
         group, said = self.group, []
@@ -178,14 +192,23 @@ class Channel:
             f"{what} across processes: {'; '.join(said)}; so no rank made it. Every process must pass values of the "
             f"same structure, shapes and dtypes, and the same op, to each collective, in the same order.")
 
-    def refuse(self) -> None:
+    def refuse(self, timeout: float | None = None) -> None:
         """Announces the next collective as one this rank will not make, because its values were refused before
         they reached it (its own replicas disagreed, a value could not be reduced): every peer that reaches it
         raises CollectiveMismatchError instead of making it, so that this rank's next collective does not pair with
-        it. Does not wait."""
+        it.
+
+        Waits until every peer has reached it, as a collective does: a rank that went on at once could announce two
+        collectives past a peer still reading its slot for this one. Where a peer does not within `timeout` (it
+        died, or stalled) the group is broken, and this rank's next collective raises the error.
+        """
         with self._lock:
             if self.group.broken is None:
                 self._announce(REFUSED)
+                try:
+                    self._wait_for_peers("a refused collective", timeout)
+                except (DeadlineExceededError, WorkerFailedError):
+                    pass  # `group.broken` holds it
 
     def _announce_and_wait(self, what: str, timeout: float | None, signature: int) -> None:
         """`run`'s announcement, wait and comparison of signatures where some peers hear it by message."""
@@ -205,9 +228,9 @@ class Channel:
             self._wait_for_peers(what, timeout)
         if signature:
             cell = 2 - (sequence & 1)
-            for theirs in [slot[cell] for slot in self._near_slots] + self._signatures:
-                if theirs != signature and theirs:
-                    raise self._mismatch(what, sequence, signature)
+            if any(_differs(slot[cell], sequence, signature) for slot in self._near_slots) or \
+                    any(theirs != signature and theirs for theirs in self._signatures):
+                raise self._mismatch(what, sequence, signature)
 
     def announce(self, what: str = "a collective", timeout: float | None = None, lead: int | None = None) -> int:
         """Announces the next collective without waiting for the peers to reach it; returns its number.
@@ -261,7 +284,7 @@ class Channel:
     def _announce(self, signature: int) -> None:
         self.sequence = sequence = self.sequence + 1
         if self._slot is not None:
-            self._slot[2 - (sequence & 1)] = signature
+            self._slot[2 - (sequence & 1)] = signature << 16 | sequence & _NUMBER
             self._slot[0] = sequence
         sends = self._stamp_sends
         for send in sends:  # one call per request: Testall and Startall build an array of them each time
@@ -384,9 +407,11 @@ def _shared_slots(MPI: Any, comm: Any, wanted: bool) -> dict[int, memoryview]:
     The file is removed as soon as every rank has mapped it, so nothing is left behind, even by a killed job.
 
     A slot holds the number of the collective its rank announced last, then the signatures of its last odd and
-    last even collective: a peer still comparing collective n reads n's signature even after this rank has moved
-    on to n + 1 (it may: where every rank raised CollectiveMismatchError); only n + 2 could overwrite it, and no
-    rank announces n + 2 before every peer has announced n + 1.
+    last even collective, each beside the low 16 bits of that collective's number: a peer still comparing
+    collective n reads n's signature even after this rank has moved on to n + 1 (it may: where every rank raised
+    CollectiveMismatchError, or after the root's broadcast). Only n + 2 overwrites it, which the number tells;
+    no rank that waits at its collectives announces n + 2 before every peer has announced n + 1 (launches
+    with a lead, `announce`, may).
     """
     host = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
