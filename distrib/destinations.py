@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from distrib.devices import HOST, canonical_name
 from distrib.distributed_variables import DistributedVariable
 from distrib.values import DistributedValues, PerReplica
@@ -38,6 +40,8 @@ def resolve_destinations(destinations: Any, devices: tuple[str, ...]) -> tuple[s
                          f"{len(devices)} replicas.")
     if hasattr(destinations, "__dlpack_device__"):
         return resolve_destinations(_array_device(destinations), devices)  # an array: its device, as in TensorFlow
+    if isinstance(destinations, np.generic):  # a NumPy scalar (a lone replica's value in a merge_call): host memory
+        return resolve_destinations("CPU:0", devices)
     raise TypeError(f"destinations must be a device name, an array, a distributed value or a distributed "
                     f"variable. Received: {type(destinations).__name__}.")
 

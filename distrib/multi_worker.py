@@ -47,7 +47,7 @@ class MultiWorkerExtended(MirroredExtended):
         arrays = value._values if type(value) is PerReplica and destinations is value else None
         if arrays is None or len(arrays) != 1 or type(arrays[0]) is not np.ndarray or len(self._devices) != 1 or \
                 not self._host_arrays:
-            return super().reduce_to(reduce_op, value, destinations, options)
+            return self._refusing(super().reduce_to, reduce_op, value, destinations, options)
         context.require_cross_replica("reduce_to", self._strategy_ref())
         op = ReduceOp.from_value(reduce_op)
         if arrays[0].dtype not in REDUCIBLE:
@@ -81,6 +81,9 @@ class MultiWorkerExtended(MirroredExtended):
         if kind != "merge_call":  # a merge_call's function is the program's: its errors are not a refusal
             merge = functools.partial(self._refusing, merge)
         return super()._rendezvous(replica_id, kind, merge, payload, options)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        return self._refusing(super().batch_reduce_to, reduce_op, value_destination_pairs, options)
 
     def _batch_reduce_to(self, op, pairs, options):
         return self._refusing(super()._batch_reduce_to, op, pairs, options)

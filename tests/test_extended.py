@@ -149,5 +149,8 @@ def test_reduce_to_takes_an_array_as_destinations_its_device(strategy):
     values = strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(1))
     reduced = strategy.extended.reduce_to("SUM", values, destinations=np.zeros(3))
     assert [float(x) for x in local(strategy, reduced)] == [4.0]  # onto CPU:0, where a NumPy array lives
+    # a NumPy scalar too (what a merge_call hands a lone replica's value as): before, a TypeError
+    reduced = strategy.extended.reduce_to("SUM", values, destinations=np.float32(2))
+    assert [float(x) for x in local(strategy, reduced)] == [4.0]
     with pytest.raises(ValueError, match="A non-distributed value cannot be reduced with SUM on 4 replicas"):
         strategy.extended.reduce_to("SUM", np.float32(1), destinations=np.zeros(3))

@@ -397,6 +397,7 @@ def test_processes_with_different_replica_counts_split_batches_reduce_and_train_
     for report in (first, rest):
         assert report["reduced"] == report["written"] == [10.0, 2.5]  # replicas' 1 + 2 + 3 + 4, and their mean
         assert report["constant"] == [8.0, 2.0]  # a plain value is each local replica's, on every process alike
+    assert first["merged"] == [2.5] and rest["merged"] == [2.5] * 3
     strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     w, b, optimizer = training.build(strategy, seed=0)
     losses = training.train(strategy, w, b, optimizer, training.batches())
@@ -442,7 +443,7 @@ def test_processes_that_pass_different_values_to_a_collective_all_raise_and_go_o
     # each process's replicas agree with each other, so only the processes' announcements can tell: before, an
     # all_reduce returned wrong sums, or raised MPI_ERR_TRUNCATE on one rank only and left the other waiting; and a
     # process that refused its values before a collective left the others one collective behind it
-    assert_every_check_passes("mismatches.py", tmp_path, 17, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)
+    assert_every_check_passes("mismatches.py", tmp_path, 18, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)
 
 
 def test_a_slot_overwritten_by_a_later_collective_reads_as_no_mismatch_and_a_refusal_waits(tmp_path):

@@ -71,7 +71,9 @@ REFUSALS = {
         lambda ctx: refused_value(ctx.replica_id_in_sync_group)), axis=None),
     "all_gather": lambda: strategy.run(lambda: distrib.get_replica_context().all_gather(
         refused_value(distrib.get_replica_context().replica_id_in_sync_group), 0)),
+    "reduce_to an unknown device": lambda: strategy.extended.reduce_to("SUM", ones, ones if rank == 0 else "GPU:7"),
 }
+ones = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(2, np.float32))
 for api, collective in REFUSALS.items():
     # rank 1 refuses first, then makes its next collective, the same all_reduce as rank 0's here, at once: before,
     # the two paired up and rank 0 went on one collective behind (its next one waited for good)

@@ -49,6 +49,10 @@ with strategy.scope():
 strategy.run(lambda: [v.assign(np.float32(distrib.get_replica_context().replica_id_in_sync_group + 1))
                       for v in written])
 report["written"] = [float(v.numpy()) for v in written]
+merged = strategy.run(lambda: distrib.get_replica_context().merge_call(  # onto the value itself: a lone replica's
+    lambda s, v: s.extended.reduce_to("MEAN", v, destinations=v),          # is a NumPy scalar there
+    args=(np.float32(distrib.get_replica_context().replica_id_in_sync_group + 1),)))
+report["merged"] = [float(v) for v in strategy.experimental_local_results(merged)]
 report["constant"] = [float(strategy.reduce(op, np.float32(2), axis=None)) for op in ("SUM", "MEAN")]
 w, b, optimizer = training.build(strategy, seed=rank)
 report["losses"] = training.train(strategy, w, b, optimizer, training.batches())
