@@ -27,10 +27,10 @@ import os
 import tempfile
 import threading
 import time
-import zlib
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 from distrib.backends.call_watchdog import RESTART
+from distrib.backends.signatures import NUMBER, REFUSED, cell_signature, cell_word, differs
 from distrib.errors import CollectiveMismatchError, DeadlineExceededError, WorkerFailedError
 from distrib.options import default_timeout
 
@@ -41,34 +41,7 @@ _CHECK_SENDS_EVERY = 32
 QUICK_POLLS = 64  # polls made before the wait looks at the clock: a peer in step announces within microseconds
 SPIN_SECONDS = 0.05  # a late peer is polled without pause this long, then every NAP_SECONDS
 NAP_SECONDS = 0.0005
-REFUSED = 1  # the signature of a collective a rank announces but will not make (`refuse`); `signature` never is
-_SIGNATURE_BITS = 47  # a signature beside 16 bits of its collective's number fits a slot's signed 8-byte cell
-_NUMBER = (1 << 16) - 1  # the bits of the number stored beside a signature in a slot
 LEFT_CHECK_SECONDS = 0.001  # a wait looks for peers that left once it has lasted this long
-
-
-_CODES: dict[str, int] = {}
-
-
-def signature(what: str, parts: Sequence[tuple[int, Any]], mean: bool = False) -> int:
-    """What a collective moves, as an integer equal on every rank that makes the same collective (`Channel.run`
-    compares them), whichever route each rank's values take to it: `what`, each buffer's element count and dtype,
-    and whether it averages. Built from integers only, since a str's hash differs from process to process; never
-    0 (none) or REFUSED."""
-    code = _CODES.get(what) or _CODES.setdefault(what, zlib.crc32(what.encode()))
-    if len(parts) == 1:  # the usual call, in fewer steps (it runs right after a transfer has left the caches cold)
-        count, dtype = parts[0]
-        value = hash((code, mean, count, ord(dtype.kind), dtype.itemsize)) & ((1 << _SIGNATURE_BITS) - 1)
-    else:
-        value = hash((code, mean, *[x for count, dtype in parts for x in (count, ord(dtype.kind), dtype.itemsize)])
-                     ) & ((1 << _SIGNATURE_BITS) - 1)
-    return value if value > REFUSED else value + 2
-
-
-def _differs(cell: int, sequence: int, signature: int) -> bool:
-    """Whether a peer's slot cell holds collective `sequence` with a nonzero signature other than `signature` (a
-    cell that holds another collective's, a later one, cannot tell)."""
-    return cell & _NUMBER == sequence & _NUMBER and cell >> 16 != signature and cell >> 16 != 0
 
 
 class InCall(NamedTuple):
@@ -147,7 +120,7 @@ class Channel:
             else:  # every peer on this host: `_announce` and `_missing` for slots alone, inline
                 self.sequence = sequence = self.sequence + 1
                 cell = 2 - (sequence & 1)  # see `_shared_slots`
-                mine = signature << 16 | sequence & _NUMBER
+                mine = signature << 16 | sequence & NUMBER  # `cell_word` inline: it runs on every collective
                 self._slot[cell] = mine  # before the number: a peer that reads the number reads it too
                 self._slot[0] = sequence
                 slots = self._near_slots
@@ -165,7 +138,7 @@ class Channel:
                 if signature:
                     for slot in slots:
                         theirs = slot[cell]
-                        if theirs != mine and _differs(theirs, sequence, signature):
+                        if theirs != mine and differs(theirs, sequence, signature):
                             raise self._mismatch(what, sequence, signature)
             self.in_call = _in_call((what, self.sequence, time.monotonic(), timeout))
             try:
@@ -177,8 +150,8 @@ class Channel:
         """The error of collective #`sequence`, which this rank announced with signature `mine`, and some peers
         with another nonzero one, or refused."""
         cell = 2 - (sequence & 1)
-        theirs = [(peer, slot[cell] >> 16 if slot[cell] & _NUMBER == sequence & _NUMBER else 0)
-                  for peer, slot in zip(self._near, self._near_slots)] + list(zip(self._peers, self._signatures))
+        theirs = [(peer, cell_signature(slot[cell], sequence)) for peer, slot in zip(self._near, self._near_slots)] + \
+            list(zip(self._peers, self._signatures))
         other = tuple(sorted(peer for peer, signature in theirs if signature not in (mine, 0, REFUSED)))
         refused = tuple(sorted(peer for peer, signature in theirs if signature == REFUSED))
         group, said = self.group, []
@@ -228,7 +201,7 @@ class Channel:
             self._wait_for_peers(what, timeout)
         if signature:
             cell = 2 - (sequence & 1)
-            if any(_differs(slot[cell], sequence, signature) for slot in self._near_slots) or \
+            if any(differs(slot[cell], sequence, signature) for slot in self._near_slots) or \
                     any(theirs != signature and theirs for theirs in self._signatures):
                 raise self._mismatch(what, sequence, signature)
 
@@ -284,7 +257,7 @@ class Channel:
     def _announce(self, signature: int) -> None:
         self.sequence = sequence = self.sequence + 1
         if self._slot is not None:
-            self._slot[2 - (sequence & 1)] = signature << 16 | sequence & _NUMBER
+            self._slot[2 - (sequence & 1)] = cell_word(signature, sequence)
             self._slot[0] = sequence
         sends = self._stamp_sends
         for send in sends:  # one call per request: Testall and Startall build an array of them each time

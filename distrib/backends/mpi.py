@@ -16,8 +16,8 @@ import numpy as np
 
 from distrib.backends.cpu import CpuBackend, native_order, _shared as shared_views
 from distrib.backends.packed import FLOAT_PREFIXES, unpack_into
-from distrib.backends.announcements import signature
 from distrib.backends.process_group import ProcessGroup
+from distrib.backends.signatures import signature
 from distrib.errors import BackendUnavailableError
 from distrib.plan import NCCL, AllReducePlan, dtype_name
 

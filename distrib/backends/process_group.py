@@ -28,8 +28,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from distrib import timeline
-from distrib.backends.announcements import Channel, missing_error, signature
+from distrib.backends.announcements import Channel, missing_error
 from distrib.backends.call_watchdog import RESTART, CallWatchdog
+from distrib.backends.signatures import signature
 from distrib.errors import BackendUnavailableError, WorkerFailedError
 from distrib.install_hint import pip_install
 

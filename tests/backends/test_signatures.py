@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from distrib.backends.announcements import REFUSED, signature
+from distrib.backends.signatures import REFUSED, signature
 
 CASES = [("all_reduce", ((1000, "float32"),), False), ("all_reduce", ((1000, "float32"),), True),
          ("all_reduce", ((1000, "float64"),), False), ("all_reduce", ((1000, "int32"),), False),

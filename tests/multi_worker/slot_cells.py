@@ -16,7 +16,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from distrib.backends.announcements import REFUSED, signature
+from distrib.backends.signatures import REFUSED, signature
 from distrib.backends.mpi import MpiBackend
 from distrib.errors import CollectiveMismatchError
 
