@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -244,6 +245,14 @@ class AllReducePlan:
             return None
         dtype = buffers[0].dtype
         return dtype, buffers[0].views[0][1], self.mean and dtype.startswith(FLOAT_PREFIXES)
+
+    @functools.cached_property
+    def identity(self) -> int:
+        """What the plan reduces and how, as an integer every process computes alike for the same values: each
+        value's position, shape and dtype, and whether it averages (a crc32 of them as text: a str's hash differs
+        from process to process). Processes compare it before a collective across them."""
+        values = [(m.index, m.shape, b.dtype) for b in self.packing.buffers for m in b.members]
+        return zlib.crc32(repr((self.mean, values)).encode())
 
 
 def hierarchical_roots(num_chunks: int, num_devices: int) -> tuple[tuple[int, int], ...]:

@@ -337,8 +337,8 @@ class CpuBackend(Backend):
         if not all_ndarrays(arrays) or len(set(map(_DTYPE, arrays))) != 1 or dtype_name(first.dtype) != dtype or \
                 not first.dtype.isnative:  # byte-swapped: the packed route gives native results, as TensorFlow
             return None
-        reduced = self.all_reduce([array.reshape(-1) for array in arrays], plan.packing.buffers[0].chunks, devices,
-                                  float_mean, timeout=timeout)
+        reduced = self._plan_all_reduce(plan, [array.reshape(-1) for array in arrays], plan.packing.buffers[0].chunks,
+                                        devices, float_mean, timeout)
         if plan.mean and not float_mean:  # integer MEAN: the sum, then true division, as TensorFlow does
             reduced = _shared(reduced[0] / (replicas or len(arrays)), len(devices))
         return reduced if shape is None else [value.reshape(shape) for value in reduced]
@@ -356,6 +356,11 @@ class CpuBackend(Backend):
 
         run_split([job(r) for r in range(len(devices))], buffer.nbytes * len(devices))
         return flats
+
+    def _plan_all_reduce(self, plan: Any, flats: list[Any], chunks: Sequence[tuple[int, int]], devices: Sequence[str],
+                         mean: bool, timeout: float | None) -> list[Any]:
+        """`all_reduce` of `plan`'s one value (a backend across processes tells its peers which plan it runs)."""
+        return self.all_reduce(flats, chunks, devices, mean, timeout=timeout)
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
         # Chunks only bound the calls of a real collective; every element's sum is the same without them.

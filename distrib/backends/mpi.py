@@ -140,8 +140,7 @@ class MpiBackend(CpuBackend):
                      for a, b in bounds]
         return calls, total, None if wire is total else wire
 
-    def _sum_whole(self, flat: np.ndarray, what: str, timeout: float | None, mean: bool = False
-                   ) -> np.ndarray | None:
+    def _sum_whole(self, flat: np.ndarray, what: str, timeout: float | None, key: int = 0) -> np.ndarray | None:
         """One local replica's `flat` (any shape) summed across processes by one MPI call, straight from it into a
         new writable 1-D pooled buffer; None where MPI cannot send it as it is in one call (float16, bfloat16,
         byte-swapped, not contiguous, more than MAX_COUNT elements).
@@ -156,27 +155,27 @@ class MpiBackend(CpuBackend):
             return None
         total = self._pool.take(flat.nbytes).view(flat.dtype)  # 1-D, no shape arithmetic: `empty` does more
         self.group.collectives.run(what, self.group.comm.Allreduce, timeout,
-                                   signature(what, ((flat.size, flat.dtype),), mean), [flat, mpi_type],
+                                   signature(what, ((flat.size, flat.dtype),), key), [flat, mpi_type],
                                    [total, mpi_type], wire[1])
         return total
 
     def _summed(self, flats: Sequence[np.ndarray], bounds: Sequence[tuple[int, int]], what: str,
-                timeout: float | None, mean: bool = False) -> np.ndarray:
-        """`flats` summed over every replica of every process, into a new writable buffer (`mean`: for the
-        signature only; the caller divides)."""
+                timeout: float | None, key: int = 0) -> np.ndarray:
+        """`flats` summed over every replica of every process, into a new writable buffer (`key`: for the
+        signature, see `signature`)."""
         if len(flats) == 1 and len(bounds) == 1 and bounds[0][0] == 0 and bounds[0][1] == flats[0].size:
-            total = self._sum_whole(flats[0], what, timeout, mean)
+            total = self._sum_whole(flats[0], what, timeout, key)
             if total is not None:
                 return total
         reduction = self._reduction(flats, bounds)
-        self._sum_across((reduction,), what, timeout, mean)
+        self._sum_across((reduction,), what, timeout, key)
         return reduction[1]
 
-    def _sum_across(self, reductions: Sequence[tuple], what: str, timeout: float | None, mean: bool = False) -> None:
+    def _sum_across(self, reductions: Sequence[tuple], what: str, timeout: float | None, key: int = 0) -> None:
         """Makes the MPI calls of `reductions` (from `_reduction`) once every process has reached them."""
         comm = self.group.comm
         calls = [call for reduction in reductions for call in reduction[0]]
-        check = signature(what, [(total.size, total.dtype) for _, total, _ in reductions], mean)
+        check = signature(what, [(total.size, total.dtype) for _, total, _ in reductions], key)
         if len(calls) == 1:
             self.group.run(what, comm.Allreduce, timeout, *calls[0], signature=check)
         else:
@@ -194,7 +193,7 @@ class MpiBackend(CpuBackend):
             value = per_device[0][0]  # call, straight from the array into the result
             # the plan's dtype by name, from the memo: `dtype == "float32"` parses the string every time (2-3 µs
             # of a 1 MB call, right after a transfer has left the caches cold)
-            total = self._sum_whole(value, "all_reduce", timeout, single[2]) if type(value) is np.ndarray and \
+            total = self._sum_whole(value, "all_reduce", timeout, plan.identity) if type(value) is np.ndarray and \
                 dtype_name(value.dtype) == single[0] else None
             if total is not None:
                 _, shape, float_mean = single
@@ -211,9 +210,9 @@ class MpiBackend(CpuBackend):
         reductions = [self._reduction([self.pack([values[m.index] for m in buffer.members], buffer, device)
                                        for values, device in zip(per_device, devices)], buffer.chunks)
                       for buffer in buffers]
-        # a signature's `mean` is whether floats are averaged, on every route (`_one_value` passes the same)
-        self._sum_across(reductions, "all_reduce", timeout,
-                         plan.mean and any(buffer.dtype.startswith(FLOAT_PREFIXES) for buffer in buffers))
+        # every route of a plan announces its identity (`_plan_all_reduce` too): processes whose replicas take
+        # different routes to the same plan agree, and another shape or op is told apart
+        self._sum_across(reductions, "all_reduce", timeout, plan.identity)
         results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
         for buffer, (_, total, _) in zip(buffers, reductions):
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
@@ -230,7 +229,13 @@ class MpiBackend(CpuBackend):
             f"over MPI. Received: devices {list(devices)}. Use implementation AUTO or RING, or GPU devices.")
 
     def all_reduce(self, flats, chunks, devices, mean, *, timeout=None):
-        total = self._summed(flats, chunks, "all_reduce", timeout, mean)
+        return self._all_reduce(flats, chunks, devices, mean, timeout, int(mean))
+
+    def _plan_all_reduce(self, plan, flats, chunks, devices, mean, timeout):
+        return self._all_reduce(flats, chunks, devices, mean, timeout, plan.identity)
+
+    def _all_reduce(self, flats, chunks, devices, mean: bool, timeout: float | None, key: int) -> list[np.ndarray]:
+        total = self._summed(flats, chunks, "all_reduce", timeout, key)
         if mean:
             np.true_divide(total, self.group.num_replicas, out=total)
         return shared_views(total, len(devices))

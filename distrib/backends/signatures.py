@@ -13,17 +13,18 @@ NUMBER = (1 << 16) - 1  # the bits of the number stored beside a signature in a 
 _CODES: dict[str, int] = {}
 
 
-def signature(what: str, parts: Sequence[tuple[int, Any]], mean: bool = False) -> int:
+def signature(what: str, parts: Sequence[tuple[int, Any]], key: int = 0) -> int:
     """What a collective moves, as an integer equal on every rank that makes the same collective (`Channel.run`
     compares them), whichever route each rank's values take to it: `what`, each buffer's element count and dtype,
-    and whether it averages. Built from integers only, since a str's hash differs from process to process; never
-    0 (none) or REFUSED."""
+    and `key` (an all-reduce plan's `identity`: its values' shapes and dtypes, and whether it averages; or whether
+    a lone all-reduce averages). Built from integers only, since a str's hash differs from process to process;
+    never 0 (none) or REFUSED."""
     code = _CODES.get(what) or _CODES.setdefault(what, zlib.crc32(what.encode()))
     if len(parts) == 1:  # the usual call, in fewer steps (it runs right after a transfer has left the caches cold)
         count, dtype = parts[0]
-        value = hash((code, mean, count, ord(dtype.kind), dtype.itemsize)) & ((1 << SIGNATURE_BITS) - 1)
+        value = hash((code, key, count, ord(dtype.kind), dtype.itemsize)) & ((1 << SIGNATURE_BITS) - 1)
     else:
-        value = hash((code, mean, *[x for count, dtype in parts for x in (count, ord(dtype.kind), dtype.itemsize)])
+        value = hash((code, key, *[x for count, dtype in parts for x in (count, ord(dtype.kind), dtype.itemsize)])
                      ) & ((1 << SIGNATURE_BITS) - 1)
     return value if value > REFUSED else value + 2
 

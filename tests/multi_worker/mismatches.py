@@ -1,5 +1,5 @@
 """Run under `mpirun -np 2`; rank 0 writes to the JSON file argv[1], per case, whether the processes passing
-different values to one collective (another size, dtype, number of values or op) made every rank raise
+different values to one collective (another size, shape, dtype, number of values or op) made every rank raise
 CollectiveMismatchError before any byte moved, and whether the next collective then gave every rank the right sum.
 Each process's own replicas agree with each other, so only the announcements can tell. Then rank 1 refuses its
 values before a collective that rank 0 makes: rank 0 must raise too, and both go on in step."""
@@ -27,6 +27,8 @@ CASES = {  # (rank 0's value, rank 1's value, rank 0's op, rank 1's op)
     "integers against floats": (np.ones(4, np.float32), np.ones(4, np.int32), "SUM", "SUM"),
     "number of values": ([np.ones(2, np.float32)], [np.ones(2, np.float32)] * 2, "SUM", "SUM"),
     "op": (np.ones(2, np.float32), np.ones(2, np.float32), "SUM", "MEAN"),
+    "the same size in another shape": (np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), "SUM", "SUM"),
+    "integers, SUM against MEAN": (np.ones(2, np.int32), np.ones(2, np.int32), "SUM", "MEAN"),
 }
 APIS = {
     "all_reduce": lambda op, value: strategy.run(lambda: distrib.get_replica_context().all_reduce(op, value)),
@@ -37,7 +39,7 @@ APIS = {
 report = {}
 for api, collective in APIS.items():
     for case, (first, second, first_op, second_op) in CASES.items():
-        if api == "all_gather" and case == "op":
+        if api == "all_gather" and case in ("op", "integers, SUM against MEAN"):
             continue
         if api == "all_gather" and case == "size":  # lengths along the axis may differ: the rows may not
             first, second = np.ones((2, 3), np.float32), np.ones((2, 4), np.float32)
