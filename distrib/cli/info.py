@@ -90,10 +90,11 @@ def render(facts: dict) -> list[str]:
 
 
 def _install_command(extras: str) -> str:
-    """"distrib[a], distrib[b] or distrib[c]" -> "pip install 'distrib[a]' (or distrib[b], distrib[c])": one extra
-    to install, since pip reads the whole quoted string as one requirement (from a clone: its path, not the name)."""
-    first, *others = re.split(r", | or ", extras)
-    return pip_install(first[len("distrib["):-1]) + (f" (or {', '.join(others)})" if others else "")
+    """"distrib[a], distrib[b] or distrib[c]" -> "pip install 'distrib[a]' (or the b, c extras)": one extra to
+    install, since pip reads the whole quoted string as one requirement (from a clone: its path, not the name)."""
+    first, *others = [name[len("distrib["):-1] for name in re.split(r", | or ", extras)]
+    extra = "extras" if len(others) > 1 else "extra"
+    return pip_install(first) + (f" (or the {', '.join(others)} {extra})" if others else "")
 
 
 def main(argv: list[str] | None = None) -> int:

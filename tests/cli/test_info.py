@@ -50,7 +50,7 @@ def test_info_reports_an_environment_that_leaves_no_backend_instead_of_a_traceba
 def test_every_missing_package_gets_one_pip_command_that_pip_can_read():
     out = info(program="import sys; sys.modules['ml_dtypes'] = None; sys.modules['ray'] = None; "
                        "from distrib.cli import main; sys.exit(main(['info']))")
-    assert f"ml_dtypes     for bfloat16 arrays: {pip_install('train')} (or distrib[bench], distrib[cuda12])" in out
+    assert f"ml_dtypes     for bfloat16 arrays: {pip_install('train')} (or the bench, cuda12 extras)" in out
     assert f"ray           for ParameterServerStrategy: {pip_install('ps')}\n" in out
 
 
