@@ -157,7 +157,7 @@ class Channel:
         group, said = self.group, []
         if other:
             said.append(f"{group.describe(other)} made collective #{sequence} of the job's {self.name} with other "
-                        f"values than this rank (another size, dtype, number of values or reduce op)")
+                        f"values than this rank (another size, shape, dtype, number of values or reduce op)")
         if refused:
             said.append(f"{group.describe(refused)} refused it: it raised on its own values first (its replicas "
                         f"disagreed, or a value could not be reduced or gathered)")
@@ -369,11 +369,10 @@ def _last_announced(announced: int) -> int:
 
 
 def _shared_slots(MPI: Any, comm: Any, wanted: bool) -> dict[int, memoryview]:
-    """{rank of `comm`: its announcement slot} for the ranks on this host, each three 8-byte integers in a file they
-    all map (in /dev/shm where there is one),
-    starting at 0; {} where this rank is alone on its host, the file cannot be shared, or a rank on this host does
-    not want slots (then every peer gets messages): the ranks of a host agree. Collective over `comm`, whatever
-    `wanted` is.
+    """{rank of `comm`: its announcement slot} for the ranks on this host, each three 8-byte integers starting at 0
+    in a file they all map (in /dev/shm where there is one); {} where this rank is alone on its host, the file
+    cannot be shared, or a rank on this host does not want slots (then every peer gets messages): the ranks of a
+    host agree. Collective over `comm`, whatever `wanted` is.
 
     A mapped file rather than an MPI shared-memory window: creating a window makes some Open MPI 5 builds print
     errors from RMA components that do not apply (osc/ucx without UCX hardware), and only the memory is needed.
