@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from typing import Any, Callable
 
 from distrib.errors import WorkerError
@@ -11,6 +12,7 @@ from distrib import ray_runtime
 
 FORGET_EVERY = 64  # finished closures whose write tags the servers drop in one message
 MAX_ATTEMPTS = 4  # a closure whose worker dies this many times running it fails, instead of killing them all
+BACK_SECONDS = 120.0  # how long a dispatcher waits for Ray to restart its dead worker before sending it more
 
 
 class Closure:
@@ -91,17 +93,31 @@ class ClosureQueue:
                                                                                 closure.args, closure.kwargs))
             except died as exc:  # the worker's process died mid-closure: Ray restarts it; the closure runs again
                 if closure.attempts < MAX_ATTEMPTS:
-                    with self._lock:
+                    with self._lock:  # another worker may take it meanwhile
                         self._queue.appendleft(closure)
                         self._lock.notify_all()
+                    self._wait_until_back(index, died)
                     continue
                 status, value = "error", WorkerError(
                     f"A scheduled closure's worker died each of the {closure.attempts} times it ran it (a crash, "
                     f"out of memory, or a kill, not an exception). Received: closure {closure.id}, "
                     f"{getattr(closure.fn, '__name__', closure.fn)!r}; last: {type(exc).__name__}.")
+                self._wait_until_back(index, died)
             except Exception as exc:  # noqa: BLE001 - e.g. a closure that cannot be pickled
                 status, value = "error", exc
             self._finish(closure, value if status == "ok" else None, value if status == "error" else None)
+
+    def _wait_until_back(self, index: int, died: tuple[type, ...]) -> None:
+        """Returns once worker `index`, restarted by Ray, answers (or after BACK_SECONDS): a closure sent to it while
+        it restarts fails at once (ActorUnavailableError), and on a loaded machine a restart outlasted every
+        attempt a closure has, so that a worker killed once failed its closure as if it had died four times."""
+        deadline = time.monotonic() + BACK_SECONDS
+        while time.monotonic() < deadline:
+            try:
+                ray_runtime.get(self._workers[index].pid.remote())
+                return
+            except died:
+                time.sleep(0.05)
 
     def _finish(self, closure: Closure, value: Any, error: BaseException | None) -> None:
         closure.result._set(value, error)
