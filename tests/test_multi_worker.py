@@ -374,12 +374,17 @@ def test_one_replica_per_process_reduces_gathers_and_updates_variables_as_one_pr
         assert_one_process_with_two_replicas(json.loads((tmp_path / f"report.json.{rank}").read_text()))
 
 
+def mpirun_uneven(program: str, replicas: tuple[int, ...], *args: str) -> subprocess.CompletedProcess:
+    """`program` (in tests/multi_worker) on one process per entry of `replicas`, each with that many replicas."""
+    command = [MPIRUN]
+    for count in replicas:
+        command += [":"] * (len(command) > 1) + ["-np", "1", "-x", f"DISTRIB_CPU_REPLICAS={count}", sys.executable,
+                                                  str(HERE / program), *args]
+    return subprocess.run(command, env=mpirun_env(), capture_output=True, text=True, timeout=60)
+
+
 def test_processes_with_different_replica_counts_split_batches_reduce_and_train_as_one_process(tmp_path):
-    env = dict(os.environ, DISTRIB_BACKEND="cpu", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    program = [sys.executable, str(HERE / "uneven_replicas.py"), str(tmp_path / "report.json")]
-    done = subprocess.run([MPIRUN, "-np", "1", "-x", "DISTRIB_CPU_REPLICAS=1", *program, ":",
-                           "-np", "1", "-x", "DISTRIB_CPU_REPLICAS=3", *program], env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = mpirun_uneven("uneven_replicas.py", (1, 3), str(tmp_path / "report.json"))
     assert done.returncode == 0, done.stdout + done.stderr
     first, rest = (json.loads((tmp_path / f"report.json.{rank}").read_text()) for rank in (0, 1))
     # global batches of 7 then 5 rows over 4 replicas: pieces of 2, 2, 2, 1 then 2, 2, 1, 0, replica 0 on rank 0
@@ -444,6 +449,15 @@ def test_processes_that_pass_different_values_to_a_collective_all_raise_and_go_o
     # all_reduce returned wrong sums, or raised MPI_ERR_TRUNCATE on one rank only and left the other waiting; and a
     # process that refused its values before a collective left the others one collective behind it
     assert_every_check_passes("mismatches.py", tmp_path, 23, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)
+
+
+def test_processes_of_one_and_two_replicas_that_pass_different_values_all_raise_and_go_on(tmp_path):
+    # the process of one replica sums straight from its array, the other packs first: their signatures must
+    # agree where the values do, and differ where they do not
+    done = mpirun_uneven("mismatches.py", (1, 2), str(tmp_path / "report.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report) == 23 and all(report.values()), [name for name, ok in report.items() if not ok]
 
 
 def test_a_slot_overwritten_by_a_later_collective_reads_as_no_mismatch_and_a_refusal_waits(tmp_path):
