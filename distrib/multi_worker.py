@@ -74,7 +74,7 @@ class MultiWorkerExtended(MirroredExtended):
             return collective(*args)
         except (ValueError, TypeError):
             if channel.sequence == sequence:
-                channel.refuse(self._options.timeout)
+                self._refuse_collective()
             raise
 
     def _rendezvous(self, replica_id, kind, merge, payload, options):
@@ -82,11 +82,10 @@ class MultiWorkerExtended(MirroredExtended):
             merge = functools.partial(self._refusing, merge)
         return super()._rendezvous(replica_id, kind, merge, payload, options)
 
+    # `_batch_reduce_to` is called only by `reduce_to` (above), `batch_reduce_to` and `_reduce_to_host`: each of them
+    # refuses what it raises too
     def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
         return self._refusing(super().batch_reduce_to, reduce_op, value_destination_pairs, options)
-
-    def _batch_reduce_to(self, op, pairs, options):
-        return self._refusing(super()._batch_reduce_to, op, pairs, options)
 
     def _reduce_to_host(self, op, leaves, axis):
         return self._refusing(super()._reduce_to_host, op, leaves, axis)

@@ -214,6 +214,7 @@ class ProcessGroup:
 
 _BARRIER = signature("barrier", ())  # every barrier alike, whatever it is for
 
+
 def _state(pid: int) -> str:
     """The process's state letter from /proc ('R', 'S', 'T' stopped, ...); '' where there is no /proc entry."""
     try:

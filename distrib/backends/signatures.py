@@ -32,7 +32,7 @@ def signature(what: str, parts: Sequence[tuple[int, Any]], key: int = 0) -> int:
 def differs(cell: int, sequence: int, signature: int) -> bool:
     """Whether a peer's slot cell holds collective `sequence` with a nonzero signature other than `signature` (a
     cell that holds another collective's, a later one, cannot tell)."""
-    return cell & NUMBER == sequence & NUMBER and cell >> 16 != signature and cell >> 16 != 0
+    return cell_signature(cell, sequence) not in (0, signature)
 
 
 def cell_word(signature: int, sequence: int) -> int:
