@@ -13,10 +13,11 @@ import numpy as np
 from distrib import context, timeline
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, ReduceOp
+from distrib.replica_threads import name_replica
 from distrib.values import (LEAF_SPEC, LEAF_TYPES, flatten, format_path, regroup, select_replicas, structure_mismatch,
                             unflatten)
 
-_ARRAYS = operator.itemgetter(1)  # a collective's payload: (spec, arrays, arguments)
+_ARRAYS = operator.itemgetter(1)  # a collective's payload: (spec, arrays, arguments, the error it raised or None)
 
 # Array kinds that cannot be summed: bool (NumPy's + is logical or), objects, bytes, strings, void.
 NOT_REDUCIBLE = "bOSUV"
@@ -218,11 +219,21 @@ class ReplicaContext:
         host = self._strategy._extended  # not `_host`: a call less
         options = host._merged_options(options)
         leaves, spec = flatten(value)
-        arrays = host._to_replica_device(leaves, self._replica_id) if leaves else []
-        if check_leaves is not None and arrays:
-            check_leaves(arrays, spec)
+        refused = None
+        try:
+            arrays = host._to_replica_device(leaves, self._replica_id) if leaves else []
+            if check_leaves is not None and arrays:
+                check_leaves(arrays, spec)
+        except (ValueError, TypeError) as error:
+            # raised by the merge, once for every replica: where this replica raised alone, the others of its
+            # process went on to the collective, and its peer processes made it with theirs (wrong sums, or a wait)
+            arrays, refused = [], error
 
         def merge(payloads: list) -> list:
+            for replica, payload in enumerate(payloads):
+                if payload[3] is not None:  # a multi-worker merge refuses the collective, the peers raise there too
+                    name_replica(payload[3], replica, len(payloads))
+                    raise payload[3]
             if len(payloads) > 1 or gather_axis is not None:  # one replica has nothing to compare with
                 check_same_arguments(kind, [p[2] for p in payloads], self._first_local_replica)
                 check_same_layout(kind, [p[:2] for p in payloads], gather_axis, self._first_local_replica)
@@ -230,7 +241,7 @@ class ReplicaContext:
                 return [[] for _ in payloads]
             return combine(list(map(_ARRAYS, payloads)), options)
 
-        payload = (spec, arrays, arguments + (("options", options),))
+        payload = (spec, arrays, arguments + (("options", options),), refused)
         return unflatten(spec, host._rendezvous(self._replica_id, kind, merge, payload, options))
 
     def __repr__(self) -> str:

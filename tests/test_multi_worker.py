@@ -448,7 +448,7 @@ def test_processes_that_pass_different_values_to_a_collective_all_raise_and_go_o
     # each process's replicas agree with each other, so only the processes' announcements can tell: before, an
     # all_reduce returned wrong sums, or raised MPI_ERR_TRUNCATE on one rank only and left the other waiting; and a
     # process that refused its values before a collective left the others one collective behind it
-    assert_every_check_passes("mismatches.py", tmp_path, 23, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)
+    assert_every_check_passes("mismatches.py", tmp_path, 27, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)
 
 
 def test_processes_of_one_and_two_replicas_that_pass_different_values_all_raise_and_go_on(tmp_path):
@@ -457,7 +457,7 @@ def test_processes_of_one_and_two_replicas_that_pass_different_values_all_raise_
     done = mpirun_uneven("mismatches.py", (1, 2), str(tmp_path / "report.json"))
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report) == 23 and all(report.values()), [name for name, ok in report.items() if not ok]
+    assert len(report) == 27 and all(report.values()), [name for name, ok in report.items() if not ok]
 
 
 def test_a_slot_overwritten_by_a_later_collective_reads_as_no_mismatch_and_a_refusal_waits(tmp_path):

@@ -298,9 +298,11 @@ class MpiBackend(CpuBackend):
         out = self.copy(array, devices[0])
         wire, (_, mpi_type) = self._buffer(out)
         flat = wire.reshape(-1)
+        # the shape signed too, so that (2, 3) against (3, 2) is told apart: a tuple of ints hashes alike in every
+        # process (a str would not)
+        check = signature("broadcast", ((flat.size, flat.dtype),), hash(array.shape))
         group.run("broadcast", lambda: [group.comm.Bcast([flat[a:b], mpi_type], root=0)
-                                        for a, b in pieces(((0, flat.size),))], timeout,
-                  signature=signature("broadcast", ((flat.size, flat.dtype),)))
+                                        for a, b in pieces(((0, flat.size),))], timeout, signature=check)
         if wire is not out:
             np.copyto(out, wire, casting="unsafe")
         return shared_views(out, len(devices))

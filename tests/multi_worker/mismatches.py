@@ -1,8 +1,9 @@
 """Run under `mpirun -np 2`; rank 0 writes to the JSON file argv[1], per case, whether the processes passing
 different values to one collective (another size, shape, dtype, number of values or op) made every rank raise
 CollectiveMismatchError before any byte moved, and whether the next collective then gave every rank the right sum.
-Each process's own replicas agree with each other, so only the announcements can tell. Then rank 1 refuses its
-values before a collective that rank 0 makes: rank 0 must raise too, and both go on in step."""
+Each process's own replicas agree with each other, so only the announcements can tell. The same for broadcasts of
+another size, dtype or shape. Then rank 1 refuses its values before a collective that rank 0 makes: rank 0 must
+raise too, and both go on in step."""
 
 from __future__ import annotations
 
@@ -55,6 +56,23 @@ for api, collective in APIS.items():
         everywhere = MPI.COMM_WORLD.allgather((raised, right))
         report[f"{api}: {case}"] = all(r and ok for r, ok in everywhere)
 
+BROADCASTS = {  # (rank 0's value, rank 1's value): broadcast_to sends rank 0's
+    "size": (np.ones(3, np.float32), np.ones(4, np.float32)),
+    "dtype": (np.ones(4, np.float32), np.ones(4, np.float64)),
+    "the same size in another shape": (np.ones((2, 3), np.float32), np.ones((3, 2), np.float32)),
+}
+every_replica = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(2, np.float32))
+for case, (first, second) in BROADCASTS.items():
+    try:
+        strategy.extended.broadcast_to(first if rank == 0 else second, every_replica)
+        raised = False
+    except CollectiveMismatchError as error:
+        raised = str(error).startswith("broadcast across processes: rank ")
+    after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
+    right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
+    everywhere = MPI.COMM_WORLD.allgather((raised, right))
+    report[f"broadcast_to: {case}"] = all(r and ok for r, ok in everywhere)
+
 
 def refused_value(replica_id: int):
     """Every rank but 0 refuses its values before the collective (its replicas disagree on the dtype; a lone
@@ -73,9 +91,13 @@ REFUSALS = {
         lambda ctx: refused_value(ctx.replica_id_in_sync_group)), axis=None),
     "all_gather": lambda: strategy.run(lambda: distrib.get_replica_context().all_gather(
         refused_value(distrib.get_replica_context().replica_id_in_sync_group), 0)),
-    "reduce_to an unknown device": lambda: strategy.extended.reduce_to("SUM", ones, ones if rank == 0 else "GPU:7"),
+    # every replica of rank 1 refuses strings before the rendezvous: before, with several replicas, none announced
+    # a refusal, so rank 0's all_reduce paired with rank 1's next one (wrong sums), and its own next one waited
+    "all_reduce of strings on every replica": lambda: strategy.run(lambda: distrib.get_replica_context().all_reduce(
+        "SUM", np.ones(2, np.float32) if rank == 0 else np.array(["a", "b"]))),
+    "reduce_to an unknown device": lambda: strategy.extended.reduce_to(
+        "SUM", every_replica, every_replica if rank == 0 else "GPU:7"),
 }
-ones = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(2, np.float32))
 for api, collective in REFUSALS.items():
     # rank 1 refuses first, then makes its next collective, the same all_reduce as rank 0's here, at once: before,
     # the two paired up and rank 0 went on one collective behind (its next one waited for good)
