@@ -29,12 +29,19 @@ class ClusterResolver:
 
     def master(self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None) -> str:
         """The address of task `task_type:task_id` (default: this task), prefixed `rpc_layer://` when one is set;
-        '' when the cluster does not list that task."""
+        '' where no task is named.
+
+        Raises:
+          ValueError: the cluster does not list that task, as TensorFlow's ClusterSpec.task_address does.
+        """
         task_type = self.task_type if task_type is None else task_type
         task_id = self.task_id if task_id is None else task_id
-        tasks = self.cluster_spec().get(task_type or "", [])
-        if task_id is None or not 0 <= task_id < len(tasks):
+        if task_type is None or task_id is None:
             return ""
+        tasks = self.cluster_spec().get(task_type, [])
+        if not 0 <= task_id < len(tasks):
+            raise ValueError(f"The cluster has no task {task_type}:{task_id}. Received: jobs "
+                             f"{ {job: len(t) for job, t in self.cluster_spec().items()} }.")
         layer = rpc_layer or self.rpc_layer
         return f"{layer}://{tasks[task_id]}" if layer else tasks[task_id]
 

@@ -173,6 +173,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         if tasks not in (0, group.size):
             raise ValueError(f"The cluster resolver must describe the MPI job's {group.size} processes. Received: "
                              f"{tasks} chief and worker tasks in {cluster_resolver!r}.")
+        if tasks and cluster_resolver.task_type in ("chief", "worker"):
+            cluster_resolver.master()  # raises where its own task is not in its cluster (TF_CONFIG's index past it)
         self._cluster_resolver = cluster_resolver
         super().__init__(MultiWorkerExtended(self, backend, communication_options, replica_execution))
 

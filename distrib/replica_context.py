@@ -19,8 +19,8 @@ from distrib.values import (LEAF_SPEC, LEAF_TYPES, flatten, format_path, regroup
 
 _ARRAYS = operator.itemgetter(1)  # a collective's payload: (spec, arrays, arguments, the error it raised or None)
 
-# Array kinds that cannot be summed: bool (NumPy's + is logical or), objects, bytes, strings, void.
-NOT_REDUCIBLE = "bOSUV"
+# Array kinds that cannot be summed: bool (NumPy's + is logical or), dates, objects, bytes, strings, void.
+NOT_REDUCIBLE = "bMOSUV"
 
 
 def reducible(dtype) -> bool:
@@ -126,6 +126,10 @@ class ReplicaContext:
         self._require_current("merge_call")
         if not callable(merge_fn):
             raise TypeError(f"merge_fn must be callable. Received: {type(merge_fn).__name__}.")
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"merge_call's args must be a tuple or list. Received: {type(args).__name__}.")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise TypeError(f"merge_call's kwargs must be a dict or None. Received: {type(kwargs).__name__}.")
         strategy = self._strategy
 
         def merge(payloads: list) -> list:
@@ -196,14 +200,14 @@ class ReplicaContext:
             try:
                 try:
                     check_gather_shapes("all_gather", [value.shape], [value.dtype], axis, ())
-                except ValueError:
+                except (ValueError, TypeError):
                     host._refuse_collective()
                     raise
                 return host._batch_all_gather([[value]], axis, options)[0][0]
             except BaseException as exc:
                 host._merge_error = exc  # a merge's error: the run leaves it unnamed, as `_merge_inline` does
                 raise
-        return self._collective("all_gather", value, options, None,
+        return self._collective("all_gather", value, options, functools.partial(_check_gather_axis, axis),
                                 lambda per_replica, merged: self._host._batch_all_gather(per_replica, axis, merged),
                                 gather_axis=axis, arguments=(("axis", axis),))
 
@@ -258,6 +262,15 @@ def _check_numeric(arrays: list, spec: Any) -> None:
                         f"{format_path(spec.paths()[k])}.")
 
 
+def check_gather_axis(api: str, axis: Any) -> None:
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"{api} concatenates along one axis: axis must be an int. Received: {axis!r}.")
+
+
+def _check_gather_axis(axis: Any, arrays: list, spec: Any) -> None:
+    check_gather_axis("all_gather", axis)  # before the merge: there, a gather axis of None means no gather
+
+
 def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
     """`axis` (an int or a sequence of ints, negative from the end) as non-negative axes of a rank-`ndim` value."""
     axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
@@ -268,6 +281,8 @@ def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
         if not -ndim <= a < ndim:
             raise ValueError(f"axis {a} is out of range for a value of rank {ndim}.")
         out.append(int(a) % ndim)
+    if len(set(out)) < len(out):  # NumPy's own error would not say which argument
+        raise ValueError(f"axis names an axis more than once. Received: {axis!r} for a value of rank {ndim}.")
     return tuple(out)
 
 
@@ -279,6 +294,7 @@ def check_gather_shapes(api: str, shapes: Sequence[tuple], dtypes: Sequence, axi
     if ndim == 0:
         raise ValueError(f"{api} needs values of rank >= 1 to concatenate along axis {axis}. Received: a scalar "
                          f"at path {format_path(path)}.")
+    check_gather_axis(api, axis)
     (axis,) = normalize_axes(axis, ndim)
     for replica_id, (shape, dtype) in enumerate(zip(shapes, dtypes), start=first):
         if dtype != dtypes[0]:

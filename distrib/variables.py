@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 import itertools
 import sys
 import threading
@@ -74,8 +75,22 @@ class _VariableMeta(type):
         if cls is Variable:
             strategy = context.get_strategy()
             if context.has_strategy():
+                _check_strategy_arguments(args, kwargs)
                 return strategy.extended._create_variable(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+
+def _check_strategy_arguments(args: tuple, kwargs: dict) -> None:
+    """Raises TypeError, naming `distrib.Variable`, where `Variable(*args, **kwargs)` under a strategy's scope
+    would fail in the strategy's own code (naming its private method)."""
+    try:
+        bound = _INIT_PARAMETERS.bind(None, *args, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"distrib.Variable(): {error}.") from None
+    chosen = sorted({"device", "backend"} & bound.arguments.keys())
+    if chosen:
+        raise TypeError(f"distrib.Variable() under a strategy's scope takes no {' or '.join(chosen)}: the strategy "
+                        f"places its variables on its devices. Received: {', '.join(chosen)}.")
 
 
 class _ArrayOperators:
@@ -133,6 +148,7 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
             initial_value = initial_value()
         value = self._backend.to_device(initial_value, device)
         if dtype is not None:
+            check_integers_fit(value, np.dtype(dtype), f"Variable(dtype={np.dtype(dtype).name})", name)
             value = value.astype(dtype, copy=False)
         check_numeric(value.dtype)
         self._buffer = self._own(value)
@@ -209,6 +225,8 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
         if not np.can_cast(array.dtype, self._buffer.dtype, casting="same_kind"):
             raise TypeError(f"{what} cannot write dtype {array.dtype} into variable {self._name!r} of dtype "
                             f"{self._buffer.dtype}.")
+        if array.dtype != self._buffer.dtype:
+            check_integers_fit(array, self._buffer.dtype, what, self._name)
         return array
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
@@ -231,6 +249,22 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
 
     def __repr__(self) -> str:
         return f"<Variable {self._name!r} shape={self.shape} dtype={self.dtype.name} device={self._device}>"
+
+
+_INIT_PARAMETERS = inspect.signature(Variable.__init__)
+
+
+def check_integers_fit(array: Any, dtype: np.dtype, what: str, name: str | None) -> None:
+    """Raises TypeError where integers of `array` do not fit integer `dtype`: a cast would wrap them (300 as int8
+    is 44) without a word, and TensorFlow refuses them too."""
+    if array.dtype.kind not in "iu" or dtype.kind not in "iu" or np.can_cast(array.dtype, dtype) or not array.size:
+        return
+    info = np.iinfo(dtype)
+    low, high = int(array.min()), int(array.max())
+    if low < info.min or high > info.max:
+        into = f" into variable {name!r}" if name else ""
+        raise TypeError(f"{what} cannot write integers outside {dtype}'s range [{info.min}, {info.max}]{into}. "
+                        f"Received: values from {low} to {high} ({array.dtype}).")
 
 
 def _coerce_aggregation(aggregation: Any) -> VariableAggregation:

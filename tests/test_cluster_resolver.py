@@ -4,6 +4,9 @@ launcher's environment and Slurm's, with TensorFlow's names."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -64,7 +67,8 @@ def test_tf_config_gives_the_master_address_and_accelerators(monkeypatch):
     assert resolver.cluster_spec() == {"worker": ["w0:2222", "w1:2222"]}
     assert resolver.master() == "grpc://w1:2222"
     assert resolver.master("worker", 0, rpc_layer="") == "grpc://w0:2222"
-    assert resolver.master("ps", 0) == ""
+    with pytest.raises(ValueError, match=r"no task ps:0. Received: jobs \{'worker': 2\}"):
+        resolver.master("ps", 0)
     assert resolver.num_accelerators() == {}  # no GPU on this machine
 
 
@@ -124,3 +128,21 @@ def test_slurm_host_lists_and_task_counts_expand():
     assert expand_tasks_per_node("4,2(x2)") == [4, 2, 2]
     with pytest.raises(ValueError, match="Slurm's tasks per node look like"):
         expand_tasks_per_node("2x3")
+
+
+@pytest.mark.parametrize("tf_config, refusal", [
+    ({"cluster": {"worker": ["w0:2222"]}, "task": {"type": "worker", "index": 5}},
+     r"The cluster has no task worker:5. Received: jobs {'worker': 1}."),
+    ({"cluster": {"worker": ["w0:2222", "w1:2222"]}, "task": {"type": "worker", "index": 0}},
+     r"The cluster resolver must describe the MPI job's 1 processes. Received: 2 chief and worker tasks"),
+])
+def test_multi_worker_strategy_refuses_a_resolver_that_does_not_describe_the_job(tf_config, refusal):
+    pytest.importorskip("mpi4py", reason="MultiWorkerMirroredStrategy needs mpi4py (pip install '.[mpi]')")
+    program = ("import distrib\n"
+               "try:\n"
+               "    distrib.MultiWorkerMirroredStrategy(distrib.cluster_resolver.TFConfigClusterResolver())\n"
+               "except ValueError as error:\n"
+               "    print(error)\n")  # a plain `python` run: an MPI job of one process
+    env = dict(os.environ, TF_CONFIG=json.dumps(tf_config), DISTRIB_BACKEND="cpu")
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and refusal in done.stdout, done.stdout + done.stderr

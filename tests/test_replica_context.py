@@ -257,6 +257,14 @@ def test_merge_fn_must_be_callable(strategy):
         strategy.run(lambda: distrib.get_replica_context().merge_call("not a function"))
 
 
+def test_merge_call_checks_its_args_and_kwargs(strategy):
+    merge_call = lambda **kw: strategy.run(lambda: distrib.get_replica_context().merge_call(lambda s: 1, **kw))
+    with pytest.raises(TypeError, match="merge_call's args must be a tuple or list. Received: int."):
+        merge_call(args=5)
+    with pytest.raises(TypeError, match="merge_call's kwargs must be a dict or None. Received: list."):
+        merge_call(kwargs=[1])
+
+
 def test_run_inside_a_merge_fn_runs_every_replica_as_in_tensorflow(strategy):
     def step():
         return distrib.get_replica_context().merge_call(

@@ -181,6 +181,32 @@ def test_reduce_rejects_axes_out_of_range(strategy, blocks, axis):
         strategy.reduce("SUM", blocks, axis=axis)
 
 
+def test_reduce_rejects_an_axis_named_twice(strategy, blocks):
+    with pytest.raises(ValueError, match=r"axis names an axis more than once. Received: \(0, -2\) for a value of "
+                                         r"rank 2"):
+        strategy.reduce("SUM", blocks, axis=(0, -2))
+
+
+@pytest.mark.parametrize("axis", [None, (0,), "0"])
+def test_gathers_take_one_int_axis(strategy, blocks, axis):
+    # before: all_gather(axis=None) failed inside the batching with "'<=' not supported", and Strategy.gather's
+    # message listed None among what it takes
+    with pytest.raises(TypeError, match=r"Strategy.gather concatenates along one axis: axis must be an int. "):
+        strategy.gather(blocks, axis=axis)
+    with pytest.raises(TypeError, match=r"all_gather concatenates along one axis: axis must be an int. "):
+        strategy.run(lambda: distrib.get_replica_context().all_gather(np.ones(2, np.float32), axis=axis))
+    with pytest.raises(TypeError, match=r"all_gather concatenates along one axis: axis must be an int. "):
+        strategy.run(lambda: distrib.get_replica_context().all_gather({"a": np.ones(2)}, axis=axis))
+
+
+def test_dates_are_refused_as_values_that_cannot_be_summed(strategy):
+    dates = np.array(["2020-01-01"], "datetime64[D]")
+    with pytest.raises(TypeError, match=r"Reductions need numeric values. Received: dtype datetime64\[D\]"):
+        strategy.reduce("SUM", strategy.experimental_distribute_values_from_function(lambda ctx: dates), axis=None)
+    with pytest.raises(TypeError, match=r"all_reduce needs numeric values. Received: dtype datetime64\[D\]"):
+        strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", dates))
+
+
 @pytest.mark.parametrize("axis", [1.0, True, "0"])
 def test_reduce_rejects_axes_that_are_not_ints(strategy, blocks, axis):
     with pytest.raises(TypeError, match="axis must be an int, a tuple of ints or None"):

@@ -230,6 +230,33 @@ def test_plain_variable_writes_check_shape_and_dtype():
         counter.assign_add(0.5)
 
 
+def test_integers_that_do_not_fit_the_variables_dtype_are_refused_not_wrapped(strategy):
+    # before: 300 became 44 in an int8 variable and 2**40 became 0 in an int32 one, with no word
+    with pytest.raises(TypeError, match=r"Variable\(dtype=int8\) cannot write integers outside int8's range "
+                                        r"\[-128, 127\]. Received: values from -1 to 300"):
+        distrib.Variable([300, -1], dtype=np.int8)
+    with strategy.scope():
+        v = distrib.Variable(np.zeros(2, np.int32), name="count")
+        with pytest.raises(TypeError, match=r"assign cannot write integers outside int32's range"):
+            v.assign([1, 2**40])
+        v.assign(np.array([1, -5], np.int64))  # int64 values that fit are written
+        with pytest.raises(TypeError, match=r"assign_add cannot write integers outside int32's range"):
+            v.assign_add(np.array([2**31, 0]))
+    assert [x.numpy().tolist() for x in v.values] == [[1, -5]] * len(v.values)
+    small = distrib.Variable(np.zeros(2, np.int8))
+    with pytest.raises(TypeError, match=r"values from -129 to 0 \(int64\)"):
+        small.assign(np.array([-129, 0]))
+    assert small.numpy().tolist() == [0, 0]
+
+
+def test_variable_arguments_are_checked_under_a_scope(strategy):
+    with strategy.scope():
+        with pytest.raises(TypeError, match=r"distrib.Variable\(\): got an unexpected keyword argument 'foo'"):
+            distrib.Variable(1.0, foo=1)  # before: named StrategyExtended._create_variable()
+        with pytest.raises(TypeError, match=r"takes no device: the strategy places its variables"):
+            distrib.Variable(1.0, device="CPU:1")
+
+
 # -- MirroredVariable ------------------------------------------------------------------------------------------
 # Starting from 10 on every copy, replica r writes r + 1 (1, 2, 3, 4 on the four replicas).
 

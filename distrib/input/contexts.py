@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -35,6 +36,8 @@ class InputContext:
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """`global_batch_size // num_replicas_in_sync`; ValueError unless it divides evenly."""
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, numbers.Integral):
+            raise TypeError(f"The global batch size must be an int. Received: {global_batch_size!r}.")
         if global_batch_size % self.num_replicas_in_sync:
             raise ValueError(f"The global batch size ({global_batch_size}) must be divisible by the number of "
                              f"replicas in sync ({self.num_replicas_in_sync}).")

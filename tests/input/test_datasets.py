@@ -420,6 +420,8 @@ def test_get_per_replica_batch_size_needs_a_divisible_global_batch(strategy):
                                          r"in sync \(4\)"):
         strategy.distribute_datasets_from_function(dataset_fn)
     assert distrib.InputContext(1, 0, 4).get_per_replica_batch_size(8) == 2
+    with pytest.raises(TypeError, match="The global batch size must be an int. Received: '8'"):
+        distrib.InputContext(1, 0, 4).get_per_replica_batch_size("8")  # before: a str formatting error
 
 
 def test_per_replica_mode_is_only_for_datasets_from_function(strategy):
