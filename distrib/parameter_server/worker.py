@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import pickle
 from typing import Any, Callable
 
 import optree
@@ -98,9 +97,15 @@ def run_in_scope(make_strategy: Callable[[], Any], fn: Callable, *args: Any, **k
 
 
 def _picklable(exc: Exception) -> Exception:
-    """`exc` itself when it survives pickling, else a RuntimeError carrying its type and message."""
+    """`exc` itself when it survives pickling, else a RuntimeError carrying its type and message.
+
+    Pickled as Ray pickles the result, by cloudpickle: a class defined in the program's `__main__` (shipped to this
+    worker by value, with the closure) survives too, and the coordinator gets its own class back, so its `except`
+    catches it; plain pickle could not find that class by name here."""
+    from ray import cloudpickle  # a worker is a Ray actor: Ray is there
+
     try:
-        pickle.loads(pickle.dumps(exc))
+        cloudpickle.loads(cloudpickle.dumps(exc))
         return exc
     except Exception:  # noqa: BLE001
         return RuntimeError(f"{type(exc).__name__}: {exc}")

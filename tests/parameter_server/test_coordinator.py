@@ -97,6 +97,22 @@ def test_an_error_surfaces_at_join_as_its_own_type_while_the_others_finish(strat
     assert coordinator.schedule(lambda: "after").fetch() == "after"
 
 
+class ProgramError(Exception):
+    """An error class of the program itself: it travels to the workers by value, as one defined in `__main__`."""
+
+
+def test_an_error_class_of_the_program_comes_back_as_itself(coordinator):
+    # before: a class that plain pickle could not find by name on the worker came back as a RuntimeError
+    def step():
+        raise ProgramError("the program's own")
+
+    result = coordinator.schedule(step)
+    with pytest.raises(ProgramError, match="the program's own"):
+        coordinator.join()
+    with pytest.raises(ProgramError):
+        result.fetch()
+
+
 def test_per_worker_datasets_give_each_worker_its_own_iterator(coordinator):
     dataset = coordinator.create_per_worker_dataset(lambda: [(os.getpid(), i) for i in range(100)])
     iterator = iter(dataset)
