@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Dispatches `distrib train ...`, `distrib bench ...` and `distrib info`; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if sys.stdout is sys.__stdout__:  # the command's own output, not a caller's capture
+        from distrib.cli.closed_output import finish_when_output_closes
+
+        finish_when_output_closes()
     if argv[:1] == ["train"]:  # train's flags go to its own parser, -h included
         from distrib.cli.train import main as train_main
 

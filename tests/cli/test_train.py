@@ -184,6 +184,20 @@ def test_bad_environment_variables_are_one_line_and_exit_2(tmp_path, environment
     assert result.stderr.splitlines()[-1].startswith(f"distrib train: error: {message}")
 
 
+def test_a_run_whose_reader_goes_away_still_trains_and_writes_its_files(tmp_path):
+    # `distrib train | head -1`: before, the first print after the reader left raised BrokenPipeError, and a run
+    # started with --overwrite had already deleted the one it replaced
+    out = tmp_path / "run"
+    with subprocess.Popen([sys.executable, "-m", "distrib", "train", "--epochs", "3", "--out", str(out)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        assert "replicas, global batch" in process.stdout.readline()
+        process.stdout.close()  # as `head -1` exits
+        returncode, stderr = process.wait(timeout=120), process.stderr.read()
+    assert returncode == 0, stderr
+    assert "BrokenPipeError" not in stderr
+    assert len(json.loads((out / "history.json").read_text())["test_accuracy"]) == 3
+
+
 def test_an_epoch_without_steps_still_prints_its_line(capsys):
     progress = PlainProgress()
     progress.start_epoch(0, 1, steps=0)
