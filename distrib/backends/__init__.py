@@ -80,12 +80,16 @@ def detect() -> str:
                 if forced == "cuda" and (problem := cuda_problem()):
                     raise BackendUnavailableError(f"DISTRIB_BACKEND=cuda, but {problem}. Unset DISTRIB_BACKEND (a "
                                                   f"GPU is then used where one works) or set it to cpu.")
-                _DETECTED.append((forced, f"DISTRIB_BACKEND={forced}"))
+                kind, reason = forced, f"DISTRIB_BACKEND={forced}"
             elif (problem := cuda_problem()) is None:
-                _DETECTED.append(("cuda", "CuPy sees a GPU and NCCL is loadable"))
+                kind, reason = "cuda", "CuPy sees a GPU and NCCL is loadable"
             else:
-                _DETECTED.append(("cpu", problem))
-            kind, reason = _DETECTED[0]
+                kind, reason = "cpu", problem
+            if kind == "cpu":  # a bad replica count raises before the line saying the emulator is in use
+                from distrib.backends.cpu import replicas_from_environment
+
+                replicas_from_environment()
+            _DETECTED.append((kind, reason))
             _log_once(kind, f"using the {kind} backend ({'emulated devices: ' if kind == 'cpu' else ''}{reason})")
         return _DETECTED[0][0]
 

@@ -109,6 +109,18 @@ class BufferPool:
             self._total = 0
 
 
+def replicas_from_environment() -> int:
+    """$DISTRIB_CPU_REPLICAS (default 2): how many emulated devices a strategy that names none gets.
+
+    Raises:
+      ValueError: it is set to anything but a positive integer.
+    """
+    raw = os.environ.get("DISTRIB_CPU_REPLICAS", str(DEFAULT_REPLICAS))
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"DISTRIB_CPU_REPLICAS must be a positive integer. Received: {raw!r}.")
+    return int(raw)
+
+
 def native_order(dtype: np.dtype) -> np.dtype:
     """`dtype` in this machine's byte order: itself where it is already (results, MPI's datatypes and CuPy all
     take values in native order, as TensorFlow's tensors are)."""
@@ -221,10 +233,7 @@ class CpuBackend(Backend):
 
     def __init__(self, num_default_replicas: int | None = None):
         if num_default_replicas is None:
-            raw = os.environ.get("DISTRIB_CPU_REPLICAS", str(DEFAULT_REPLICAS))
-            if not raw.strip().isdigit() or int(raw) < 1:
-                raise ValueError(f"DISTRIB_CPU_REPLICAS must be a positive integer. Received: {raw!r}.")
-            num_default_replicas = int(raw)
+            num_default_replicas = replicas_from_environment()
         if num_default_replicas < 1:
             raise ValueError(f"The CPU emulator needs at least 1 replica. Received: {num_default_replicas}.")
         self._num_default = num_default_replicas
