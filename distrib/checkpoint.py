@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import weakref
 from typing import Any
 
@@ -78,13 +79,16 @@ class Checkpoint:
         left by saves of `path` that were killed are removed.
 
         Raises:
-          TypeError: a variable's dtype is not one a safetensors file holds (complex, strings, bfloat16).
+          TypeError: a variable's dtype is not one a safetensors file holds (complex, strings, bfloat16), or
+            `path` is not a str, bytes or os.PathLike.
+          OSError: `path` is a folder (IsADirectoryError) or lies under a file (NotADirectoryError), refused
+            before anything is written; or the file cannot be written (PermissionError...). Each names `path`.
           ContextError (a RuntimeError): called inside a replica function.
         """
         _require_cross_replica("Checkpoint.save")
         from distrib._version import __version__
 
-        variables, _, checkpoints = self._collect()
+        variables, owners, checkpoints = self._collect()
         for path_, checkpoint in checkpoints.items():
             for name, value in checkpoint.metadata.items():
                 _check_metadata(f"{path_}/{name}" if path_ else name, value)
@@ -95,12 +99,13 @@ class Checkpoint:
                             "owner": owner, "name": name})
         metadata = {path_: checkpoint.metadata for path_, checkpoint in checkpoints.items()}
         manifest = {"distrib_version": __version__, "entries": entries,
+                    "owners": {key: type(owner).__name__ for key, owner in owners.items()},
                     "metadata": json.loads(json.dumps(metadata, default=_json_default))}
         extended = _strategy_of(variables).extended
         if extended.should_checkpoint:  # in a multi-worker job only the chief writes; the others wait for it
             checkpoint_file.write(path, arrays, manifest)
         extended._barrier("Checkpoint.save")
-        return os.fspath(path)
+        return checkpoint_file.decode(path)
 
     def restore(self, path: str | os.PathLike, allow_partial: bool = False) -> dict[str, Any]:
         """Loads the file `path` into the objects; returns `metadata`, updated with the saved values.
@@ -108,7 +113,8 @@ class Checkpoint:
         Call it in a cross-replica context (inside or outside `strategy.scope()`). Every saved key must name
         an object and every object must be saved, with the same shape and a dtype that casts safely; nothing
         is assigned unless all of them do. Saved optimizer slots the optimizer has not created yet are kept
-        and assigned when it creates them (it calls `restore_deferred`).
+        and assigned when it creates them (it calls `restore_deferred`); saved state that the optimizer can
+        never create (another kind of optimizer saved it, or one with other slots or another name) is refused.
 
         Args:
           path: a file written by `save`.
@@ -117,7 +123,8 @@ class Checkpoint:
         Raises:
           CheckpointError (a ValueError): the file is corrupt, truncated, not a distrib checkpoint (another
             safetensors file, a zip, an empty file: the message says which) or has a malformed manifest, or
-            it does not match the objects (missing or extra keys, another shape, a dtype that does not cast safely).
+            it does not match the objects (missing or extra keys, another shape, a dtype that does not cast
+            safely, optimizer state the optimizer never creates).
           ContextError (a RuntimeError): called inside a replica function.
         """
         _require_cross_replica("Checkpoint.restore")
@@ -125,13 +132,20 @@ class Checkpoint:
         variables, owners, checkpoints = self._collect()
         saved = {entry["key"]: entry for entry in manifest["entries"]}
         deferred = [key for key, entry in saved.items() if key not in variables and entry.get("owner") in owners]
+        # deferred keys wait for their owner to create them: one an optimizer never creates would wait forever
+        for owner_key, owner in owners.items():
+            never = [key for key in deferred if saved[key]["owner"] == owner_key
+                     and not _creates(owner, saved[key]["name"])]
+            if never and not allow_partial:
+                raise CheckpointError(_foreign_state_message(path, manifest, owner_key, owner, never))
+            deferred = [key for key in deferred if key not in never]
         missing = sorted(variables.keys() - saved.keys())
         extra = sorted(saved.keys() - variables.keys() - set(deferred))
         if (missing or extra) and not allow_partial:
             raise CheckpointError(f"restore needs every object in the file and every saved key in the Checkpoint. "
-                                  f"Received: {os.fspath(path)!r}; missing from the file: {missing}; in the file "
-                                  f"but not in the Checkpoint: {extra}. Pass allow_partial=True to restore the "
-                                  f"others.")
+                                  f"Received: {checkpoint_file.decode(path)!r}; missing from the file: {missing}; "
+                                  f"in the file but not in the Checkpoint: {extra}. Pass allow_partial=True to "
+                                  f"restore the others.")
         matched = [(key, variables[key][0], arrays[key]) for key in saved if key in variables]
         for key, variable, array in matched:
             _check_compatible(key, array, variable)
@@ -235,6 +249,30 @@ def restore_deferred(owner: Any) -> list[str]:
 
 def _is_owner(obj: Any) -> bool:
     return not isinstance(obj, type) and callable(getattr(obj, "variables", None))
+
+
+def _creates(owner: Any, name: str) -> bool:
+    """Whether `owner` may create a variable named `name` later: an optimizer creates only `<its name>/iterations`
+    and `<variable>/<one of its slot_names>` (numbered `_1`... when names repeat); any other owner may."""
+    from distrib.optimizers import Optimizer  # it imports this module
+
+    if not isinstance(owner, Optimizer):
+        return True
+    slots = "|".join(re.escape(slot) for slot in owner.slot_names)
+    pattern = re.escape(f"{owner.name}/iterations") + (f"|.+/(?:{slots})(?:_\\d+)*" if slots else "")
+    return re.fullmatch(pattern, name) is not None
+
+
+def _foreign_state_message(path: Any, manifest: dict, owner_key: str, owner: Any, keys: list[str]) -> str:
+    saved_kind = manifest.get("owners", {}).get(owner_key, "an optimizer")  # earlier files do not record it
+    saved_name = next((entry["name"][:-len("/iterations")] for entry in manifest["entries"]
+                       if entry["owner"] == owner_key and entry["name"].endswith("/iterations")), None)
+    saved = saved_kind if saved_name is None else f"{saved_kind} {saved_name!r}"
+    current = f"{type(owner).__name__} {owner.name!r} with slots {list(owner.slot_names)}"
+    return (f"restore needs an optimizer that creates the state the file saved for it, or that state is lost. "
+            f"Received: {checkpoint_file.decode(path)!r} holds the state of {saved} at {owner_key!r}, which the "
+            f"Checkpoint's {current} never creates: {keys}. Restore into the kind of optimizer that saved it, with "
+            f"the same name and slots, or pass allow_partial=True to start the optimizer afresh.")
 
 
 def _holds_variables(value: Any) -> bool:

@@ -35,12 +35,11 @@ def write(path: str | os.PathLike, arrays: dict[str, np.ndarray], manifest: dict
 
     The file is written under a temporary name in the same folder, flushed to disk and renamed onto `path`, so
     a crash leaves the previous checkpoint intact; an exception leaves no temporary file, and temporaries that
-    killed saves of `path` left behind are removed first.
+    killed saves of `path` left behind are removed first. A path that cannot hold a file (a folder, under a
+    file) is refused before anything is written; every OSError names `path`, never the temporary.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = check_target(path)
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    remove_stale_temporaries(path)
     manifest_json = json.dumps(manifest, sort_keys=True)
     digest = hashlib.sha256(manifest_json.encode())
     tensors = {}
@@ -49,9 +48,19 @@ def write(path: str | os.PathLike, arrays: dict[str, np.ndarray], manifest: dict
         tensors[key] = np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")
         digest.update(tensors[key].reshape(-1).view(np.uint8))
     metadata = {FORMAT_KEY: FORMAT, MANIFEST_KEY: manifest_json, CHECKSUM_KEY: digest.hexdigest()}
-    temporary = os.path.join(directory, f"{_temporary_prefix(path)}{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        safetensors.numpy.save_file(tensors, temporary, metadata=metadata)
+        os.makedirs(directory, exist_ok=True)
+        remove_stale_temporaries(path)
+    except OSError as exc:
+        raise _write_error(exc, path) from exc
+    temporary = os.path.join(directory, f"{_temporary_prefix(path)}{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    created = False
+    try:
+        # created here first: an unwritable folder then fails as an OSError with its errno, where safetensors
+        # raises its own error type naming a temporary of its own
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        created = True
+        _save_file(tensors, temporary, metadata)
         os.chmod(temporary, _new_file_mode())  # safetensors makes its files owner-only
         file = os.open(temporary, os.O_RDONLY)
         try:
@@ -59,9 +68,12 @@ def write(path: str | os.PathLike, arrays: dict[str, np.ndarray], manifest: dict
         finally:
             os.close(file)
         os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
+    except BaseException as exc:
+        if created:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+        if isinstance(exc, OSError):
+            raise _write_error(exc, path) from exc
         raise
     with contextlib.suppress(OSError):  # makes the rename durable; not every system can open a folder
         folder = os.open(directory, os.O_RDONLY)
@@ -69,6 +81,67 @@ def write(path: str | os.PathLike, arrays: dict[str, np.ndarray], manifest: dict
             os.fsync(folder)
         finally:
             os.close(folder)
+
+
+def check_target(path: str | os.PathLike | bytes) -> str:
+    """`path` as an absolute str, once it can name a checkpoint file: not a folder, nor under a file.
+
+    Raises:
+      TypeError: `path` is not a str, bytes or os.PathLike.
+      IsADirectoryError, NotADirectoryError, FileExistsError (OSErrors): `path` is a folder (or ends in a
+        separator), a file stands where a folder of it must be, or something other than a file is at `path`.
+    """
+    given = decode(path)
+    absolute = os.path.abspath(given)
+    if given.endswith((os.sep, os.altsep or os.sep)) or os.path.isdir(absolute):
+        raise _os_error(errno.EISDIR, f"A checkpoint's path must name a file, not a folder. Received: {given!r}.")
+    if os.path.lexists(absolute) and not os.path.isfile(absolute):
+        raise _os_error(errno.EEXIST, f"A checkpoint's path must name a regular file or nothing yet: the save "
+                                      f"replaces it. Received: {given!r}, which is not a regular file.")
+    folder = os.path.dirname(absolute)
+    while not os.path.lexists(folder):  # the nearest folder that exists must be one: the others are made
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise _os_error(errno.ENOTDIR, f"A checkpoint's path must lie in a folder, and {folder!r} is a file. "
+                                       f"Received: {given!r}.")
+    return absolute
+
+
+def decode(path: str | os.PathLike | bytes) -> str:
+    """`path` as a str (bytes decoded as the file system does), or a TypeError."""
+    try:
+        return os.fsdecode(path)
+    except TypeError:
+        raise TypeError(f"A checkpoint's path must be a str, bytes or os.PathLike. Received: "
+                        f"{type(path).__name__}.") from None
+
+
+def _save_file(tensors: dict, filename: str, metadata: dict) -> None:
+    """safetensors.numpy.save_file, its I/O errors raised as OSErrors (it raises its own type, errno in the text)."""
+    try:
+        safetensors.numpy.save_file(tensors, filename, metadata=metadata)
+    except safetensors.SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise _os_error(int(code.group(1)), os.strerror(int(code.group(1)))) from exc
+
+
+def _write_error(exc: OSError, path: str) -> OSError:
+    """`exc` as the same kind of OSError naming the checkpoint's path (not a temporary's) and why."""
+    reason = exc.strerror or str(exc)
+    where = os.fsdecode(exc.filename) if isinstance(exc.filename, (str, bytes)) else ""
+    if where and path.startswith(where.rstrip(os.sep) + os.sep):
+        reason += f": {where!r}"  # a folder of the path, which could not be made
+    return _os_error(exc.errno, f"Checkpoint.save could not write the file. Received: {path!r} ({reason}).")
+
+
+def _os_error(code: int | None, message: str) -> OSError:
+    """The OSError subclass that errno `code` maps to (PermissionError for EACCES...), with `message` as its text."""
+    kind = type(OSError(code, "")) if code is not None else OSError
+    error = kind(message)
+    error.errno = code
+    return error
 
 
 def _new_file_mode() -> int:
@@ -85,7 +158,7 @@ def _new_file_mode() -> int:
 
 def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
     """Removes the temporaries of saves of `path` whose process is gone (killed mid-save); returns their paths."""
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(os.fsdecode(path))
     pattern = re.compile(re.escape(_temporary_prefix(path)) + r"(\d+)\.[0-9a-f]{8}\.tmp")
     removed = []
     with os.scandir(os.path.dirname(path)) as entries:
@@ -100,9 +173,10 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
 
 def read(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     """The manifest and the arrays by key of the checkpoint at `path`, once its format and checksum are verified."""
+    path = decode(path)
     with open(path, "rb") as file:
         data = file.read()
-    where = f"Checkpoint {os.fspath(path)!r}"
+    where = f"Checkpoint {path!r}"
     metadata, tensor_names = _header(data, where)
     try:
         loaded = safetensors.numpy.load(data)
@@ -142,6 +216,9 @@ def validate_manifest(manifest: Any, where: str) -> list[dict]:
         raise fail("'entries' is a list", entries)
     if not isinstance(metadata, dict) or not all(isinstance(v, dict) for v in metadata.values()):
         raise fail("'metadata' maps each Checkpoint's path to a dict", metadata)
+    owners = manifest.get("owners", {})  # absent from the files of distrib versions that did not record it
+    if not isinstance(owners, dict) or not all(isinstance(kind, str) for kind in owners.values()):
+        raise fail("'owners' maps each owner's key to the name of its class", owners)
     fields = {"key": str, "variable": str, "aggregation": str, "owner": (str, type(None)), "name": (str, type(None))}
     for index, entry in enumerate(entries):
         if not isinstance(entry, dict):

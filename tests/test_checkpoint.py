@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -199,6 +200,72 @@ def test_optimizer_slots_restored_before_the_optimizer_builds_them(path):
         fresh.build([w])
         checkpoint_module.restore_deferred(fresh)  # what an optimizer calls once it has created its variables
     assert [v.numpy().tolist() for v in fresh.variables()] == [v.numpy().tolist() for v in optimizer.variables()]
+
+def two_steps(make, names=("w",)):
+    """`make()`'s optimizer after two steps of variables named `names`, under 2 replicas."""
+    strategy = strategy_with(2)
+    with strategy.scope():
+        variables = [distrib.Variable(np.ones(2, np.float32), name=name) for name in names]
+        optimizer = make()
+    for _ in range(2):
+        strategy.run(lambda: optimizer.apply_gradients([(np.ones(2, np.float32), v) for v in variables]))
+    return strategy, variables, optimizer
+
+
+@pytest.mark.parametrize("saved_with, restored_into, saved, never", [
+    (lambda: distrib.optimizers.Adam(0.1), lambda: distrib.optimizers.SGD(0.1, momentum=0.9), "Adam 'Adam'",
+     "['optimizer/Adam/iterations', 'optimizer/w/m', 'optimizer/w/v']"),
+    (lambda: distrib.optimizers.SGD(0.1, momentum=0.9), lambda: distrib.optimizers.Adam(0.1), "SGD 'SGD'",
+     "['optimizer/SGD/iterations', 'optimizer/w/momentum']"),
+    (lambda: distrib.optimizers.SGD(0.1), lambda: distrib.optimizers.Adam(0.1), "SGD 'SGD'",
+     "['optimizer/SGD/iterations']"),
+    (lambda: distrib.optimizers.SGD(0.1, momentum=0.9, name="opt"), lambda: distrib.optimizers.SGD(0.1, name="opt"),
+     "SGD 'opt'", "['optimizer/w/momentum']"),  # same kind and name, but no momentum slot
+    (lambda: distrib.optimizers.Adam(0.1, name="opt"), lambda: distrib.optimizers.Adam(0.1), "Adam 'opt'",
+     "['optimizer/opt/iterations']"),
+], ids=["Adam-into-SGD", "SGD-into-Adam", "plain-SGD-into-Adam", "momentum-into-plain", "another-name"])
+def test_state_the_optimizer_never_creates_is_refused_not_left_pending(path, saved_with, restored_into, saved,
+                                                                        never):
+    strategy, (w,), optimizer = two_steps(saved_with)
+    Checkpoint(w=w, optimizer=optimizer).save(path)
+    with strategy.scope():
+        w2 = distrib.Variable(np.zeros(2, np.float32), name="w")
+        fresh = restored_into()
+    with pytest.raises(CheckpointError, match=re.escape(f"holds the state of {saved} at 'optimizer', which the "
+                                                        f"Checkpoint's {type(fresh).__name__} {fresh.name!r} with "
+                                                        f"slots {list(fresh.slot_names)} never creates: {never}.")):
+        Checkpoint(w=w2, optimizer=fresh).restore(path)
+    assert w2.numpy().tolist() == [0, 0]  # refused before anything is assigned
+
+    Checkpoint(w=w2, optimizer=fresh).restore(path, allow_partial=True)  # the state it never creates is dropped
+    assert w2.numpy().tolist() == w.numpy().tolist()
+    strategy.run(lambda: fresh.apply_gradients([(np.ones(2, np.float32), w2)]))
+    assert fresh not in checkpoint_module._DEFERRED  # nothing left waiting for a variable that never comes
+    assert int(fresh.iterations.numpy()) == (1 if "iterations" in never else 3)
+
+
+def test_slots_of_variables_that_share_a_name_are_still_restored_when_created(path):
+    strategy, (a, b), optimizer = two_steps(lambda: distrib.optimizers.Adam(0.1), names=("w", "w"))
+    Checkpoint(a=a, b=b, optimizer=optimizer).save(path)  # slots w/m, w/v, w/m_1, w/v_1
+    with strategy.scope():
+        fresh = distrib.optimizers.Adam(0.1)
+    Checkpoint(a=a, b=b, optimizer=fresh).restore(path)
+    with strategy.scope():
+        fresh.build([a, b])  # creates the slots, which takes their saved values
+    assert [v.numpy().tolist() for v in fresh.variables()] == [v.numpy().tolist() for v in optimizer.variables()]
+    assert fresh not in checkpoint_module._DEFERRED
+
+
+def test_a_file_that_does_not_record_the_optimizers_kind_is_still_refused(path):
+    _, (w,), optimizer = two_steps(lambda: distrib.optimizers.Adam(0.1))
+    Checkpoint(w=w, optimizer=optimizer).save(path)
+    manifest, arrays = checkpoint_module.checkpoint_file.read(path)
+    del manifest["owners"]  # as distrib wrote files before it recorded the kind
+    checkpoint_module.checkpoint_file.write(path, arrays, manifest)
+    with pytest.raises(CheckpointError, match=r"holds the state of an optimizer 'Adam' at 'optimizer', which the "
+                                              r"Checkpoint's SGD 'SGD' with slots \[\] never creates"):
+        Checkpoint(w=w, optimizer=distrib.optimizers.SGD(0.1)).restore(path)
+
 
 class LazyOptimizer:
     """A stand-in optimizer that creates its slots on first use, and then takes their restored values."""
@@ -411,11 +478,14 @@ ENTRY = {"key": "w", "variable": "Variable", "aggregation": "NONE", "owner": Non
     ({"entries": [{k: v for k, v in ENTRY.items() if k != "aggregation"}], "metadata": {}},
      "has a malformed manifest: entry 0 has a 'aggregation' of type str. Received: None"),
     ({"entries": [{**ENTRY, "owner": "opt"}], "metadata": {}}, "has a malformed manifest: entry 0 of owner 'opt'"),
+    ({"entries": [ENTRY], "metadata": {}, "owners": {"opt": 3}}, "has a malformed manifest: 'owners' maps each "
+                                                                 "owner's key to the name of its class"),
     ({"entries": [{**ENTRY, "key": "v"}], "metadata": {}}, r"is damaged: its manifest lists \['v'\] but the file "
                                                             r"holds the tensors \['w'\]"),
     ({"entries": [ENTRY, ENTRY], "metadata": {}}, "is damaged: its manifest lists"),
 ], ids=["not-json", "a-list", "no-entries", "entries-a-dict", "metadata-a-list", "metadata-of-a-number",
-        "entry-a-string", "key-a-number", "no-aggregation", "owner-without-name", "another-key", "a-key-twice"])
+        "entry-a-string", "key-a-number", "no-aggregation", "owner-without-name", "owners-not-names",
+        "another-key", "a-key-twice"])
 def test_a_malformed_manifest_with_a_valid_checksum_is_a_checkpoint_error(path, manifest, complaint):
     write_with_manifest(path, manifest)
     with pytest.raises(CheckpointError, match=f"Checkpoint '.*model.ckpt' {complaint}"):
@@ -519,6 +589,63 @@ def test_a_process_killed_mid_save_leaves_a_restorable_checkpoint_and_the_next_s
     assert values[0] != 0 and (values == values[0]).all()  # one whole save: ours (-1), or one of the process's
     Checkpoint(w=w).save(path)
     assert os.listdir(path.parent) == [path.name]  # the killed save's temporary is gone
+
+
+# -- paths that cannot hold a checkpoint ----------------------------------------------------------------------
+
+def test_a_folder_or_a_path_under_a_file_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "afile").write_text("")
+    os.mkfifo(tmp_path / "fifo")
+    ckpt = Checkpoint(w=distrib.Variable(np.ones(2, np.float32)))
+    for given, error, complaint in [
+            (tmp_path / "folder", IsADirectoryError, "must name a file, not a folder"),
+            (f"{tmp_path}/new/", IsADirectoryError, "must name a file, not a folder"),
+            (tmp_path / "afile" / "model.ckpt", NotADirectoryError, f"and '{tmp_path}/afile' is a file"),
+            (tmp_path / "afile" / "a" / "model.ckpt", NotADirectoryError, f"and '{tmp_path}/afile' is a file"),
+            (tmp_path / "fifo", FileExistsError, "must name a regular file or nothing yet")]:
+        with pytest.raises(error, match=f"{re.escape(complaint)}.*Received: {re.escape(repr(str(given)))}"):
+            ckpt.save(given)
+    assert sorted(os.listdir(tmp_path)) == ["afile", "fifo", "folder"] and os.listdir(tmp_path / "folder") == []
+    with pytest.raises(TypeError, match="A checkpoint's path must be a str, bytes or os.PathLike. Received: int."):
+        ckpt.save(3)
+
+
+def test_bytes_and_pathlike_paths_save_and_restore(tmp_path):
+    w = distrib.Variable(np.arange(2, dtype=np.float32))
+    for given in (os.fsencode(tmp_path / "b.ckpt"), tmp_path / "p.ckpt"):
+        assert Checkpoint(w=w).save(given) == os.fsdecode(given)
+        Checkpoint(w=w).restore(given)
+    assert sorted(os.listdir(tmp_path)) == ["b.ckpt", "p.ckpt"]
+
+
+def test_an_unwritable_folder_raises_a_permission_error_naming_the_path():
+    path = "/sys/distrib-checkpoint-test.ckpt"  # sysfs refuses new files even to root, who may write anywhere else
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except PermissionError:
+        pass
+    except OSError as exc:
+        pytest.skip(f"no folder here refuses a new file with EACCES ({exc})")
+    else:
+        os.remove(path)
+        pytest.skip("/sys lets this process create files")
+    with pytest.raises(PermissionError, match=r"^Checkpoint.save could not write the file. Received: "
+                                              r"'/sys/distrib-checkpoint-test.ckpt' \(Permission denied\)\.$"):
+        Checkpoint(w=distrib.Variable(np.ones(2, np.float32))).save(path)
+
+
+def test_an_io_error_safetensors_reports_is_an_os_error_naming_the_path(path, saved, monkeypatch):
+    def disk_full(tensors, filename, metadata=None):
+        raise safetensors.SafetensorError(f'Error while serializing: I/O error: No space left on device (os error '
+                                          f'28) at path "{os.path.dirname(filename)}/.tmpETngi0"')
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", disk_full)
+    with pytest.raises(OSError, match=f"^Checkpoint.save could not write the file. Received: "
+                                      f"{re.escape(repr(str(path)))} \\(No space left on device\\).$") as caught:
+        Checkpoint(w=saved, step=2).save(path)
+    assert caught.value.errno == 28
+    assert os.listdir(path.parent) == ["model.ckpt"]  # no temporary file left behind
 
 
 # -- files that do not match the objects ----------------------------------------------------------------------
