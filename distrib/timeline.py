@@ -18,10 +18,13 @@ wrapped only while a timeline records.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import functools
 import inspect
 import json
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -61,7 +64,8 @@ class Timeline:
 
     def __init__(self, path: str | os.PathLike):
         self.rank = job_rank()
-        self.path = os.fspath(path) if self.rank is None else rank_path(path, self.rank)
+        self.requested = os.fsdecode(path)
+        self.path = self.requested if self.rank is None else rank_path(self.requested, self.rank)
         self._events: list[dict] = []  # list.append is atomic: hooks on any thread append without a lock
         self._tracks: dict[str, int] = {}
         if self.rank is None:  # times from the start of the recording
@@ -107,29 +111,58 @@ class Timeline:
         return _write_whole(self.path, self.trace())
 
     def check_writable(self) -> None:
-        """Raises now, not after the recording, when `path` cannot be written: its folder made, a file put there."""
+        """Raises now, not after the recording, when `path` cannot be written: a folder where the file would be
+        (the path asked for, or this rank's), a file where a folder must be, or a folder a file cannot be put in
+        (its missing folders are made)."""
+        for path in dict.fromkeys((self.requested, self.path)):
+            _check_target(path)
         try:
             temporary = _temporary_beside(self.path)
-            temporary.touch()
+            temporary.touch(exist_ok=False)
             temporary.unlink()
         except OSError as exc:
             raise _with_message(exc, f"A timeline needs a file it can write. Received: {self.path!r} "
                                      f"({exc.strerror}).") from None
 
 
+def _check_target(path: str) -> None:
+    """Raises when a file cannot be at `path`: a folder is there, or a file holds the name of one of its folders."""
+    message = f"A timeline needs a file it can write. Received: {path!r}"
+    absolute = os.path.abspath(path)
+    if path.endswith(os.sep) or os.path.isdir(absolute):
+        raise _with_message(IsADirectoryError(errno.EISDIR, ""), f"{message} (a folder; name a file in it, such "
+                                                                  f"as trace.json).")
+    folder = os.path.dirname(absolute)
+    while not os.path.lexists(folder):  # the nearest that exists must be a folder: the missing ones are made
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise _with_message(NotADirectoryError(errno.ENOTDIR, ""), f"{message} ({folder!r} is a file, not a "
+                                                                    f"folder).")
+
 
 def _temporary_beside(path: str) -> Path:
-    """A temporary file's name next to `path`, whose folder is made if missing."""
+    """A new temporary file's name next to `path` (hidden, of this process), whose folder is made if missing."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    return target.with_name(target.name + ".tmp")
+    return target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
 def _write_whole(path: str, trace: dict) -> str:
-    """Writes `trace` as JSON to `path` through a temporary file, so a reader never sees half of it."""
-    temporary = _temporary_beside(path)
-    temporary.write_text(json.dumps(trace))
-    os.replace(temporary, path)
+    """Writes `trace` as JSON to `path` through a temporary file, so a reader never sees half of it; a failure
+    leaves no temporary file and names `path`."""
+    _check_target(path)  # else os.replace's error names the temporary
+    temporary = None
+    try:
+        temporary = _temporary_beside(path)
+        with open(temporary, "x") as file:
+            file.write(json.dumps(trace))
+        os.replace(temporary, path)
+    except OSError as exc:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+        raise _with_message(exc, f"A timeline needs a file it can write. Received: {path!r} "
+                                 f"({exc.strerror or exc}).") from None
     return path
 
 
@@ -191,7 +224,8 @@ def start(path: str | os.PathLike) -> Timeline:
 
     Raises:
       RuntimeError: a timeline is already recording.
-      OSError: `path` cannot be written (its folder cannot be made, or a file cannot be put there).
+      OSError: `path` cannot be written: it is a folder (IsADirectoryError), a file holds the name of one of
+        its folders (NotADirectoryError), its folder cannot be made or a file cannot be put there.
     """
     global recording
     with _lock:
@@ -205,7 +239,12 @@ def start(path: str | os.PathLike) -> Timeline:
 
 
 def stop() -> str | None:
-    """Stops recording and writes the trace; returns its path (None if nothing was recording)."""
+    """Stops recording and writes the trace; returns its path (None if nothing was recording).
+
+    Raises:
+      OSError: the trace cannot be written (say a folder took its name meanwhile), naming the path; the
+        recording is lost and no temporary file is left.
+    """
     global recording
     with _lock:
         timeline, recording = recording, None

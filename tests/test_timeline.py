@@ -93,8 +93,47 @@ def test_a_path_that_cannot_be_written_is_refused_at_the_start_not_at_the_end(tm
     result = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
                             env={**os.environ, "DISTRIB_TIMELINE": str(path), "DISTRIB_BACKEND": "cpu"})
     assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"NotADirectoryError: DISTRIB_TIMELINE: A timeline needs a file it can write. Received: {str(path)!r} "
+        f"({str(tmp_path / 'a_file')!r} is a file, not a folder).")
+
+
+def test_a_folder_is_refused_at_the_start_and_by_the_environment_variable(tmp_path):
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    with pytest.raises(IsADirectoryError, match=r"^A timeline needs a file it can write\. Received: "
+                                                r"'.*/traces' \(a folder; name a file in it, such as trace\.json\)\.$"):
+        strategy.start_timeline(folder)
+    assert timeline.recording is None and os.listdir(tmp_path) == ["traces"] and os.listdir(folder) == []
+    result = subprocess.run([sys.executable, "-c", "import distrib"], capture_output=True, text=True,
+                            env={**os.environ, "DISTRIB_TIMELINE": str(folder), "DISTRIB_BACKEND": "cpu"})
+    assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(
-        "FileExistsError: DISTRIB_TIMELINE: A timeline needs a file it can write. Received: ")
+        f"IsADirectoryError: DISTRIB_TIMELINE: A timeline needs a file it can write. Received: {str(folder)!r} "
+        f"(a folder")
+    assert os.listdir(tmp_path) == ["traces"]
+
+
+def test_a_write_that_fails_at_the_stop_names_the_path_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    timeline.start(path)
+    path.mkdir()  # a folder took the file's name during the recording
+    with pytest.raises(IsADirectoryError, match=r"^A timeline needs a file it can write\. Received: '.*/t\.json' "
+                                                r"\(a folder"):
+        timeline.stop()
+    assert os.listdir(tmp_path) == ["t.json"] and os.listdir(path) == []
+    path.rmdir()
+
+    def failing_replace(source, target):
+        raise OSError(5, "Input/output error")
+
+    timeline.start(path)
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match=r"^A timeline needs a file it can write\. Received: '.*/t\.json' "
+                                      r"\(Input/output error\)\.$"):
+        timeline.stop()
+    assert os.listdir(tmp_path) == [] and timeline.recording is None
 
 
 def test_nothing_is_recorded_while_off(tmp_path):
