@@ -197,6 +197,8 @@ class SyncOnReadVariable(DistributedVariable):
         if method != "assign" and self._aggregation is VariableAggregation.SUM:
             raise ValueError(f"SyncOnReadVariable {self._name!r} with aggregation SUM does not support {method} in "
                              f"a cross-replica context: the change would be counted once per replica.")
+        if method == "assign" and isinstance(value, PerReplica):  # each copy its replica's value, whatever the
+            return self._update_all(method, value)  # aggregation (SUM too: the copies then add up to their sum)
         if method == "assign" and self._aggregation is VariableAggregation.SUM:
             share = np.asarray(self._strategy.extended.backend.to_host(value)) / self._strategy.num_replicas_in_sync
             value = share if is_inexact(self.dtype) else np.trunc(share).astype(self.dtype)  # 7 over 2 -> 3 + 3

@@ -14,7 +14,7 @@ from distrib import context, timeline
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, ReduceOp
 from distrib.replica_threads import name_replica
-from distrib.values import (LEAF_SPEC, LEAF_TYPES, flatten, format_path, regroup, select_replicas, structure_mismatch,
+from distrib.values import (LEAF_SPEC, LEAF_TYPES, DistributedValues, flatten, format_path, regroup, select_replicas, structure_mismatch,
                             unflatten)
 
 _ARRAYS = operator.itemgetter(1)  # a collective's payload: (spec, arrays, arguments, the error it raised or None)
@@ -165,9 +165,9 @@ class ReplicaContext:
                 try:
                     arrays = host._to_replica_device([value], self._replica_id)
                     _check_numeric(arrays, LEAF_SPEC)
-                except (ValueError, TypeError):
+                except (ValueError, TypeError) as error:
                     host._refuse_collective()
-                    raise
+                    raise _distributed_leaf_error("all_reduce", [value], LEAF_SPEC) or error
             if timeline.recording is None:  # the cross-device op straight away: nothing it calls asks for the
                 try:  # cross-replica frame that `_merge_inline` pushes (5 µs of a 1 MB step, measured)
                     return host._cross_device_ops.batch_all_reduce(host._backend, op, [arrays], host._devices,
@@ -231,7 +231,7 @@ class ReplicaContext:
         except (ValueError, TypeError) as error:
             # raised by the merge, once for every replica: where this replica raised alone, the others of its
             # process went on to the collective, and its peer processes made it with theirs (wrong sums, or a wait)
-            arrays, refused = [], error
+            arrays, refused = [], _distributed_leaf_error(kind, leaves, spec) or error
 
         def merge(payloads: list) -> list:
             for replica, payload in enumerate(payloads):
@@ -260,6 +260,20 @@ def _check_numeric(arrays: list, spec: Any) -> None:
         k = next(k for k, a in enumerate(arrays) if not reducible(a.dtype))
         raise TypeError(f"all_reduce needs numeric values. Received: dtype {arrays[k].dtype} at path "
                         f"{format_path(spec.paths()[k])}.")
+
+
+def _distributed_leaf_error(kind: str, leaves: list, spec: Any) -> TypeError | None:
+    """The error for a PerReplica or Mirrored among a collective's values in a replica function (one the function
+    captured rather than received through `run`'s args), where NumPy would see just an object; else None."""
+    found = next(((path, leaf) for path, leaf in zip(spec.paths(), leaves) if isinstance(leaf, DistributedValues)),
+                 None)
+    if found is None:
+        return None
+    path, leaf = found
+    return TypeError(f"{kind} takes this replica's own values, not a distributed value holding every replica's. "
+                     f"Received: a {type(leaf).__name__} at path {format_path(path)}. "
+                     f"Pass it to strategy.run in args (each replica then gets its component), or reduce it first "
+                     f"in the cross-replica context.")
 
 
 def check_gather_axis(api: str, axis: Any) -> None:

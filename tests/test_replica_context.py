@@ -296,3 +296,19 @@ def test_a_mismatch_among_a_later_process_replicas_names_their_global_ids():
     structures = [payload({"a": np.zeros(1)}), payload({"b": np.zeros(1)})]
     with pytest.raises(distrib.errors.CollectiveMismatchError, match=r"exists only on replica 2\."):
         check_same_layout("all_reduce", structures, first=2)
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather"])
+def test_a_distributed_value_captured_by_the_replica_function_is_named(strategy, collective):
+    # before: "Expected an array of numbers. Received: PerReplica that NumPy holds as dtype=object."
+    captured = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones(2, np.float32))
+    call = {"all_reduce": lambda value: distrib.get_replica_context().all_reduce("SUM", value),
+            "all_gather": lambda value: distrib.get_replica_context().all_gather(value, 0)}[collective]
+    with pytest.raises(TypeError, match=rf"^{collective} takes this replica's own values, not a distributed value "
+                                        r"holding every replica's. Received: a PerReplica at path \['a'\]\[1\]. Pass "
+                                        r"it to strategy.run in args"):
+        strategy.run(lambda: call({"a": [np.ones(2, np.float32), captured]}))
+    with pytest.raises(TypeError, match=r"Received: a PerReplica at path <root>"):
+        strategy.run(lambda: call(captured))
+    out = strategy.run(call, args=(captured,))  # through args: each replica's own component
+    assert len(strategy.experimental_local_results(out)) == strategy.num_replicas_in_sync

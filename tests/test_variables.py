@@ -418,6 +418,16 @@ def test_sync_on_read_write_in_replica_context_changes_only_the_local_copy(strat
     assert copies(v) == expected
 
 
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS, ids=lambda a: a.name)
+def test_sync_on_read_cross_replica_assign_of_a_per_replica_gives_each_copy_its_value(strategy, aggregation):
+    # before, with SUM: "Expected an array of numbers. Received: PerReplica that NumPy holds as dtype=object."
+    v = sync_on_read(strategy, 0.0, aggregation)
+    v.assign(strategy.experimental_distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id_in_sync_group)))
+    assert copies(v) == [0.0, 1.0, 2.0, 3.0]
+    if aggregation is SUM:
+        assert float(v.read_value()) == 6.0
+
+
 @pytest.mark.parametrize("aggregation, expected", [(SUM, [1.5] * 4), (MEAN, [6.0] * 4), (FIRST, [6.0] * 4),
                                                    (NONE, [6.0] * 4)], ids=["SUM", "MEAN", "FIRST", "NONE"])
 def test_sync_on_read_cross_replica_assign(strategy, aggregation, expected):
