@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
+import os
 import pathlib
 import platform
 import statistics
@@ -15,12 +17,12 @@ import time
 
 import numpy as np
 
-from distrib.cli.bench import report
+from distrib.cli.bench import memory, report
 from distrib.cli.bench.job import Job, device_lines, label as job_label, launched_processes, multi_worker
 from distrib.cli.bench.output import Output
 from distrib.cli.bench.runners import DistribSeries, NumpySeries, Prepared, RowSpec, count_wrong
 from distrib.cli.bench.sweep import TYPES, SweepError, combinations
-from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, footer, header, parse_size, row, sizes
+from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, concluded, footer, header, parse_size, row, sizes
 from distrib.install_hint import pip_install
 from distrib.mpi_env import mpi_environment
 
@@ -29,73 +31,151 @@ BATCH_DEFAULTS = ("4K", "1M")  # -b and -e for batch_reduce: 4 to 1,024 arrays o
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """nccl-tests' flags, with its meanings, and distrib's own (--json, --plot, the batch settings)."""
+    parser.error = functools.partial(_usage_error, parser)  # under mpirun, one message rather than one per rank
     parser.add_argument("collective", choices=tuple(COLLECTIVES), help="the collective to measure")
-    parser.add_argument("-b", "--minbytes", type=parse_size, default=None,
+    parser.add_argument("-b", "--minbytes", type=size_argument, default=None,
                         help="smallest size in bytes, K/M/G allowed (default 8; batch_reduce 4K)")
-    parser.add_argument("-e", "--maxbytes", type=parse_size, default=None,
+    parser.add_argument("-e", "--maxbytes", type=size_argument, default=None,
                         help="largest size in bytes (default 32M; batch_reduce 1M)")
-    parser.add_argument("-i", "--stepbytes", type=parse_size, default=1 << 20,
+    parser.add_argument("-i", "--stepbytes", type=size_argument, default=1 << 20,
                         help="increment between sizes when -f is 1 (default 1M)")
     parser.add_argument("-f", "--stepfactor", type=int, default=2,
                         help="multiplication factor between sizes; 1 steps by -i instead (default 2)")
     parser.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per size (default 20)")
     parser.add_argument("-w", "--warmup_iters", type=int, default=5, help="untimed iterations first (default 5)")
     parser.add_argument("-c", "--check", type=int, default=1,
-                        help="checked iterations per size, each against the host's answer; 0 prints N/A (default 1)")
+                        help="checked iterations per size, each against the host's answer, up to the first with a "
+                             "wrong element; 0 prints N/A (default 1)")
     parser.add_argument("-d", "--datatype", default="float", choices=tuple(TYPES) + ("all",),
                         help="element type, or all of nccl-tests' in turn (default float)")
     parser.add_argument("-o", "--op", default="sum",
-                        help="sum, avg (distrib's ReduceOp SUM and MEAN), or all in turn (default sum)")
+                        help="sum, avg (distrib's ReduceOp SUM and MEAN), or all in turn (default sum); ignored by "
+                             "all_gather and broadcast")
     parser.add_argument("-g", "--ngpus", type=int, default=None,
                         help="devices, one rank each (default: every GPU, or $DISTRIB_CPU_REPLICAS emulated devices); "
                              "under mpirun, each process's emulated devices")
-    parser.add_argument("-r", "--root", type=int, default=0, help="root rank of broadcast and reduce (default 0)")
-    parser.add_argument("--array-bytes", type=parse_size, default=1024,
+    parser.add_argument("-r", "--root", type=int, default=0,
+                        help="root rank of broadcast and reduce, -1 for each in turn (default 0); ignored by the "
+                             "others")
+    parser.add_argument("--array-bytes", type=size_argument, default=1024,
                         help="batch_reduce: bytes per array (default 1K)")
     parser.add_argument("--bytes-per-pack", default="64K",
                         help="batch_reduce: comma-separated CommunicationOptions.bytes_per_pack values to sweep "
                              "beside packed and per array (default 64K; '' for none)")
     parser.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
-    parser.add_argument("--plot", metavar="FILE.png", default=None, help="plot bus bandwidth against size")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="plot bus bandwidth against size (.png, .svg, .pdf: any format matplotlib writes)")
 
 
-def _fail(message: str) -> SystemExit:
-    sys.stderr.write(f"distrib bench: error: {message}\n")  # one write: under mpirun every rank's goes to one log
+def size_argument(text: str) -> int:
+    """parse_size for argparse, which shows an ArgumentTypeError's message (a ValueError's it replaces)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _reports() -> bool:
+    """Whether this process reports errors: alone, or rank 0 of an MPI job (whose ranks all refuse the same)."""
+    launched = mpi_environment()
+    return launched is None or launched[1] == 0
+
+
+def _usage_error(parser: argparse.ArgumentParser, message: str) -> None:
+    if _reports():
+        parser.print_usage(sys.stderr)
+        sys.stderr.write(f"{parser.prog}: error: {message}\n")
+    raise SystemExit(2)
+
+
+def _fail(message: str, every_rank: bool = False) -> SystemExit:
+    """A user error: one line on stderr, from rank 0 only unless what failed is this rank's own; exit status 2."""
+    if every_rank or _reports():
+        sys.stderr.write(f"distrib bench: error: {message}\n")  # one write: under mpirun every rank's goes to one log
     return SystemExit(2)
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Rejects what distrib cannot measure, saying why (exit status 2, as argparse does)."""
+    """Rejects what distrib cannot measure, saying why (exit status 2, as argparse does), before anything runs."""
     default_b, default_e = BATCH_DEFAULTS if args.collective == "batch_reduce" else ("8", "32M")
     args.minbytes = parse_size(default_b) if args.minbytes is None else args.minbytes
     args.maxbytes = parse_size(default_e) if args.maxbytes is None else args.maxbytes
     for flag, value, low in (("-n", args.iters, 1), ("-w", args.warmup_iters, 0), ("-c", args.check, 0),
-                             ("-f", args.stepfactor, 1), ("-r", args.root, 0), ("--array-bytes", args.array_bytes, 1),
+                             ("-f", args.stepfactor, 1), ("-r", args.root, -1), ("--array-bytes", args.array_bytes, 1),
                              ("-g", 1 if args.ngpus is None else args.ngpus, 1)):
         if value < low:
             raise _fail(f"{flag} must be at least {low}. Received: {value}.")
     if args.minbytes > args.maxbytes:
         raise _fail(f"invalid sizes for 'minbytes' and 'maxbytes': {args.minbytes} > {args.maxbytes}")
-    args.bytes_per_pack = [parse_size(v) for v in str(args.bytes_per_pack).split(",") if v.strip()]
-    _check_outputs(args)
+    if args.stepfactor == 1 and args.stepbytes < 1:
+        raise _fail(f"-f 1 steps the sizes by -i, which must be at least 1 byte. Received: -i {args.stepbytes}.")
+    try:
+        args.bytes_per_pack = [parse_size(v) for v in str(args.bytes_per_pack).split(",") if v.strip()]
+    except ValueError as exc:
+        raise _fail(f"--bytes-per-pack takes comma-separated sizes: {exc}") from None
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    """--json and --plot checked before the measurements, which can take minutes, rather than after them."""
-    launched = mpi_environment()
-    if launched is not None and launched[1] != 0:  # rank 0 alone writes files
+def _check_batch(args: argparse.Namespace, passes: list) -> None:
+    """batch_reduce's rows hold whole arrays of --array-bytes: at least one element of every type, and one array."""
+    if args.collective != "batch_reduce":
         return
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise _fail(f"--plot needs matplotlib: {pip_install('bench')}.")
+    widest = max(passes, key=lambda p: p.dtype.itemsize)
+    if args.array_bytes < widest.dtype.itemsize:
+        raise _fail(f"--array-bytes must hold one element of each type measured ({widest.dtype.itemsize} bytes for "
+                    f"{widest.type_name}). Received: {args.array_bytes}.")
+    if not any(_row_sizes(args, p.dtype) for p in passes):
+        raise _fail(f"batch_reduce's rows hold whole arrays: -e must be at least --array-bytes "
+                    f"({args.array_bytes}). Received: -e {args.maxbytes}.")
+
+
+def _output_problem(args: argparse.Namespace) -> str | None:
+    """Why --json or --plot cannot be written (None if they can): checked before the measurements, which can take
+    minutes, rather than after them."""
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            return f"--plot needs matplotlib: {pip_install('bench')}."
+        formats = report.plot_formats()
+        if pathlib.Path(args.plot).suffix.lstrip(".").lower() not in formats:
+            return (f"--plot needs a file name ending in a format matplotlib writes ({', '.join(sorted(formats))}). "
+                    f"Received: {args.plot!r}.")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            try:
-                folder = pathlib.Path(path).absolute().parent
-                folder.mkdir(parents=True, exist_ok=True)
-                tempfile.TemporaryFile(dir=folder).close()
-            except OSError as exc:
-                raise _fail(f"{flag} must name a file distrib bench can write. Received: {path!r} "
-                            f"({exc.strerror}).") from None
+        if not path:
+            continue
+        target = pathlib.Path(path).absolute()
+        try:
+            if target.is_dir():
+                raise IsADirectoryError(21, "it is a directory")
+            if target.exists() and not os.access(target, os.W_OK):
+                raise PermissionError(13, "it is read-only")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=target.parent).close()
+        except OSError as exc:
+            return f"{flag} must name a file distrib bench can write. Received: {path!r} ({exc.strerror})."
+    return None
+
+
+def _memory_problem(args, collective, passes: list, kind: str, job: Job, devices: list[str]) -> str | None:
+    """Why the largest row cannot fit in this process's memory (None if it may)."""
+    local = 1 if kind == "cuda" else job.local  # a GPU holds its own rank's buffers; the emulator every local one
+    needed = 0
+    for this in passes:
+        layout = collective.layout(args.maxbytes, this.dtype.itemsize, job.ranks)
+        needed = max(needed, memory.needed_bytes(layout.send_count * this.dtype.itemsize,
+                                                 layout.recv_count * this.dtype.itemsize, local))
+    available = memory.available_bytes(kind, [int(d.split(":")[1]) for d in devices])
+    if available is None or needed <= available:
+        return None
+    where = "on a GPU" if kind == "cuda" else "in this process"
+    return (f"-e {args.maxbytes} needs at least {memory.describe(needed)} of memory {where}, more than the "
+            f"{memory.describe(available)} free (nccl-tests would lower -e to fit): use a smaller -e. "
+            f"Received: -e {args.maxbytes}.")
+
+
+def _agree(job: Job, problem: str | None) -> str | None:
+    """The first rank's problem, on every rank: all stop together, and rank 0 says why."""
+    if job.comm is None:
+        return problem
+    return next((p for p in job.comm.allgather(problem) if p), None)
 
 
 def build_series(args, strategy, backend_kind: str, job: Job, devices: list[str]) -> list:
@@ -130,7 +210,8 @@ def measure(prepared: Prepared | None, spec: RowSpec, args, job: Job) -> Cell | 
     """nccl-tests' timing: warm-up calls, then `iters` calls back to back and one wait; then the checked calls.
 
     Across processes the timed calls start together (a barrier), the time is the processes' mean, and #wrong
-    is every process's count summed, each checking its own ranks.
+    is every process's count summed, each checking its own ranks. As in nccl-tests, the checks stop at the first
+    with a wrong element, and #wrong is that check's count (not a sum over the -c checks).
     """
     if prepared is None:
         return None
@@ -146,13 +227,14 @@ def measure(prepared: Prepared | None, spec: RowSpec, args, job: Job) -> Cell | 
     wrong = None
     if args.check:
         expected = spec.expected_here()
-        wrong = 0
         for _ in range(args.check):
             prepared.reset()
             result = prepared.step()
             prepared.sync()
-            wrong += count_wrong(prepared.outputs(result), expected)
-    return Cell(us, job.total(wrong))
+            wrong = job.total(count_wrong(prepared.outputs(result), expected, spec.tolerance))
+            if wrong:
+                break
+    return Cell(us, wrong)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,12 +253,20 @@ def run(args: argparse.Namespace) -> int:
         passes, notes = combinations(args.datatype, args.op, args.collective, collective.reduces)
     except SweepError as exc:
         raise _fail(str(exc)) from None
+    _check_batch(args, passes)
+    if args.root != 0 and not collective.rooted:
+        notes.append(f"# -r {args.root} ignored: {args.collective} has no root (as in nccl-tests)")
     try:
         kind = detect()
         backend = get_backend(kind)
         strategy, job, devices = _strategy(args, kind, backend)
     except (BackendUnavailableError, ValueError) as exc:  # DISTRIB_BACKEND or DISTRIB_CPU_REPLICAS it cannot use
         raise _fail(str(exc)) from None
+    problem = _agree(job, (_output_problem(args) if job.chief else None)
+                     or _memory_problem(args, collective, passes, kind, job, devices))
+    if problem:
+        raise _fail(problem)
+    roots = range(job.ranks) if collective.rooted and args.root == -1 else [args.root]
     series = build_series(args, strategy, kind, job, devices)
     label = job_label(kind, backend, job)
     using = device_lines(kind, backend, devices, job)
@@ -187,45 +277,22 @@ def run(args: argparse.Namespace) -> int:
              f"warmup iters: {args.warmup_iters} iters: {args.iters} validation: {args.check}",
              *notes, "#", "# Using devices", *using, "#"]
     groups = [s.name for s in series]
-    row_count = sum(len(_row_sizes(args, p.dtype)) for p in passes) * len(series)
+    row_count = sum(len(_row_sizes(args, p.dtype)) for p in passes) * len(roots) * len(series)
     out = Output(row_count, plain=mpi_environment() is not None) if job.chief else None
-    if out:
-        out.lines(lines + [header(groups, ("vs raw",))])
-    rows, busbw, wrong_total = [], {s.name: [] for s in series}, 0
-    for this in passes:
-        for size in _row_sizes(args, this.dtype):
-            layout = collective.layout(size, this.dtype.itemsize, job.ranks)
-            spec = RowSpec(collective, layout, this.dtype, this.op, args.root, job.ranks,
-                           args.array_bytes // this.dtype.itemsize, job.first, job.local)
-            cells = []
-            for s in series:
-                cells.append(measure(s.prepare(spec), spec, args, job))
-                if out:
-                    out.advance(f"{this.type_name} {size} B {s.name}")
-            raw = next((c for s, c in zip(series, cells) if not s.name.startswith("distrib") and c), None)
-            ratio = f"{cells[0].us / raw.us:.2f}x" if raw and cells[0] and raw.us > 0 else "N/A"
-            if out:
-                out.row(row(collective, layout, this.type_name, this.op, args.root, job.ranks, cells, (ratio,)))
-            results = {}
-            for s, cell in zip(series, cells):
-                if cell is None:
-                    results[s.name] = None
-                    continue
-                algbw, bus = bandwidths(collective, layout, cell.us / 1e6, job.ranks)
-                results[s.name] = {"time_us": cell.us, "algbw_GBps": algbw, "busbw_GBps": bus, "wrong": cell.wrong}
-                busbw[s.name].append(bus)
-                wrong_total += cell.wrong or 0
-            rows.append({"size": layout.size, "count": layout.count, "type": this.type_name,
-                         "redop": this.op if collective.reduces else "none",
-                         "root": args.root if collective.rooted else -1, "results": results})
+    try:
+        if out:
+            out.lines(lines + [header(groups, ("vs raw",))])
+        rows, busbw, failures = _measure_rows(args, collective, passes, roots, series, job, out)
+    finally:  # on Ctrl-C or an error part-way too: the rows measured so far are shown and the cursor restored
+        if out:
+            out.close()
     for s in series:
         getattr(s, "close", lambda: None)()
     if not job.chief:
-        return 1 if wrong_total else 0
+        return 1 if failures else 0
     averages = {name: statistics.fmean(values) for name, values in busbw.items() if values}
-    out.done([footer(wrong_total, busbw[series[0].name], series[0].name)]
-             + [f"# {'Avg bus bandwidth (' + name + ')':<21s}: {averages[name]:g} " for name in groups[1:]
-                if name in averages] + ["#"])
+    out.done([footer(failures, busbw[series[0].name]), *_baseline_averages(groups[1:], busbw), "#",
+              concluded(f"distrib bench {args.collective}")])
     type_name = "all" if args.datatype == "all" else passes[0].type_name
     document = {"schema": report.SCHEMA, "collective": args.collective,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -233,12 +300,69 @@ def run(args: argparse.Namespace) -> int:
                 "processes": job.processes, "type": type_name, "op": args.op, "root": args.root,
                 "versions": versions(), "platform": platform.platform(),
                 "settings": {k: v for k, v in vars(args).items() if k not in ("func", "json", "plot")},
-                "series": groups, "rows": rows, "avg_busbw_GBps": averages, "wrong": wrong_total}
+                "series": groups, "rows": rows, "avg_busbw_GBps": averages, "wrong": failures}
     if args.json:
         print(f"# results: {report.write_json(document, args.json)}")
     if args.plot:
         print(f"# plot: {report.plot(document, args.plot)}")
-    return 1 if wrong_total else 0
+    return 1 if failures else 0
+
+
+def _measure_rows(args, collective, passes, roots, series, job: Job, out: Output | None) -> tuple:
+    """Every row of the sweep, printed as it is measured: (JSON rows, busbw per series, failed measurements).
+
+    A failed measurement is one series' row with a wrong element: what nccl-tests' "Out of bounds values" counts.
+    """
+    rows, busbw, failures = [], {s.name: [] for s in series}, 0
+    for this in passes:
+        for root in roots:  # -r -1: nccl-tests' sweep over every root, the sizes for each in turn
+            for size in _row_sizes(args, this.dtype):
+                layout = collective.layout(size, this.dtype.itemsize, job.ranks)
+                spec = RowSpec(collective, layout, this.dtype, this.op, root, job.ranks,
+                               args.array_bytes // this.dtype.itemsize, job.first, job.local)
+                cells = []
+                for s in series:
+                    try:
+                        cells.append(measure(s.prepare(spec), spec, args, job))
+                    except MemoryError:  # the estimate up front was short: this rank's own, so it says so
+                        raise _fail(f"{this.type_name} rows of {layout.size} B do not fit in memory "
+                                    f"({s.name}): use a smaller -e. Received: -e {args.maxbytes}.",
+                                    every_rank=True) from None
+                    if out:
+                        out.advance(f"{this.type_name} {size} B {s.name}")
+                raw = next((c for s, c in zip(series, cells) if not s.name.startswith("distrib") and c), None)
+                ratio = f"{cells[0].us / raw.us:.2f}x" if raw and cells[0] and raw.us > 0 else "N/A"
+                if out:
+                    out.row(row(collective, layout, this.type_name, this.op, root, job.ranks, cells, (ratio,)))
+                results = {}
+                for s, cell in zip(series, cells):
+                    if cell is None:
+                        results[s.name] = None
+                        continue
+                    algbw, bus = bandwidths(collective, layout, cell.us / 1e6, job.ranks)
+                    results[s.name] = {"time_us": cell.us, "algbw_GBps": algbw, "busbw_GBps": bus,
+                                       "wrong": cell.wrong}
+                    busbw[s.name].append(bus)
+                    failures += bool(cell.wrong)
+                rows.append({"size": layout.size, "count": layout.count, "type": this.type_name,
+                             "redop": this.op if collective.reduces else "none",
+                             "root": root if collective.rooted else -1, "results": results})
+    return rows, busbw, failures
+
+
+def _baseline_averages(names: list[str], busbw: dict) -> list[str]:
+    """Footer lines after nccl-tests' own (distrib's series): each other series' average bus bandwidth, a raw
+    series and its in-place variant in one line, as nccl-tests averages its out-of-place and in-place rows."""
+    lines = []
+    for name in names:
+        if name.endswith(" in-place") and name[:-len(" in-place")] in names:
+            continue
+        values = busbw[name] + busbw.get(f"{name} in-place", [])
+        both = f"{name} in-place" in names
+        if values:
+            lines.append(f"# Avg bus bandwidth ({name}{', out-of-place and in-place' if both else ''}): "
+                         f"{statistics.fmean(values):g} ")
+    return lines
 
 
 def _strategy(args, kind: str, backend) -> tuple:
@@ -257,11 +381,14 @@ def _strategy(args, kind: str, backend) -> tuple:
             raise _fail(f"-g {count} asks for more GPUs than the {len(backend.default_devices())} visible.")
         devices = [f"{'GPU' if kind == 'cuda' else 'CPU'}:{i}" for i in range(count)]
         strategy, job = distrib.MirroredStrategy(devices), Job(None, 0, count, count)
+    if not COLLECTIVES[args.collective].rooted:
+        return strategy, job, devices  # -r means nothing here, as in nccl-tests
     if args.root >= job.ranks:
         raise _fail(f"-r must name a rank below the {job.ranks} ranks. Received: {args.root}.")
-    if job.processes > 1 and args.collective == "broadcast" and args.root >= job.local:
+    if job.processes > 1 and args.collective == "broadcast" and not 0 <= args.root < job.local:
         raise _fail(f"under mpirun, broadcast's root must be one of rank 0's {job.local} devices: "
-                             f"MultiWorkerMirroredStrategy broadcasts from the chief. Received: -r {args.root}.")
+                    f"MultiWorkerMirroredStrategy broadcasts from the chief"
+                    f"{', so -r -1 (every root) cannot run' if args.root == -1 else ''}. Received: -r {args.root}.")
     return strategy, job, devices
 
 

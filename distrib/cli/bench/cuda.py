@@ -92,11 +92,19 @@ class NcclSeries:
                     recvs.append(buffer)
                     buffers.append(buffer)
 
+        def settle():
+            # the copies run on each device's default stream, the collectives on non-blocking streams that do not
+            # wait for it: every device must be done copying before a step reads its buffers
+            for ordinal in self.ordinals:
+                cupy.cuda.Device(ordinal).synchronize()
+
         def reset():
             for r, ordinal in enumerate(self.ordinals):
                 with cupy.cuda.Device(ordinal):
                     buffers[r].set(host[r])
-            cupy.cuda.Device(self.ordinals[0]).synchronize()
+            settle()
+
+        settle()  # the buffers above were filled on the default streams too
 
         def launch(r: int, comm, stream: int) -> None:
             send, recv = sends[r].data.ptr, recvs[r].data.ptr

@@ -3,12 +3,16 @@ terminal. Only the process that reports (rank 0 under mpirun) makes one."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 
+WIDE = 100_000  # a console width no table reaches: what a table needs when nothing constrains it
+
 
 class Output:
-    """Plain nccl-tests text, row by row, when piped; a progress bar and then a rich table on a terminal.
+    """Plain nccl-tests text, row by row, when piped; a progress bar and then a rich table on a terminal (the plain
+    text if the table is wider than the terminal: rich would cut its numbers).
 
     Args:
       steps: measurements the progress bar counts.
@@ -19,6 +23,7 @@ class Output:
         self.rich = not plain and sys.stdout.isatty() and _has_rich()
         self._rows: list[str] = []
         self._head: list[str] = []
+        self._open = self.rich  # the progress bar runs and the rows wait for the table
         if self.rich:
             from rich.progress import Progress
 
@@ -47,34 +52,57 @@ class Output:
             print(text, flush=True)
 
     def done(self, lines: list[str]) -> None:
+        """The table and then the footer `lines`."""
+        self.close()
         if not self.rich:
             print("\n".join(lines), flush=True)
             return
         from rich.console import Console
-        from rich.table import Table
 
-        self._progress.stop()
         console = Console()
-        titles, names = self._head[-3], self._head[-2].lstrip("#").split()
+        for line in lines:
+            console.print(line, highlight=False, markup=False)
+
+    def close(self) -> None:
+        """Stops the progress bar (which shows the cursor again) and prints the rows measured so far: on Ctrl-C or
+        an error part-way, the rows a rich table was holding back are not lost."""
+        if not self._open:
+            return
+        self._open = False
+        self._progress.stop()
+        if not self._head:  # stopped before the header: no table to show
+            return
+        from rich.console import Console
+        from rich.measure import Measurement
+
+        console = Console()
+        table = self._table()
+        if table is None or Measurement.get(console, console.options.update_width(WIDE), table).minimum > console.width:
+            # rich would cut the numbers to "…": nccl-tests' text instead, which the terminal wraps whole
+            print("\n".join(self._head + self._rows), flush=True)
+            return
         for line in self._head[:-3]:
             console.print(line, highlight=False, markup=False)
+        console.print(table)
+
+    def _table(self):
+        from rich.table import Table
+
+        if len(self._head) < 3:
+            return None
+        titles, names = self._head[-3], self._head[-2].lstrip("#").split()
         groups = [t for t in re.split(r"\s{2,}", titles.lstrip("#")) if t.strip()]
         extra = " ".join(names[5 + len(groups) * 4:])  # the extra column's name may hold spaces ("vs raw")
         table = Table()
         for k, name in enumerate(names[:5 + len(groups) * 4] + ([extra] if extra else [])):
             group, first = divmod(k - 5, 4)
             title = f"{groups[group]}\n{name}" if 0 <= group < len(groups) and first == 0 and k >= 5 else f"\n{name}"
-            table.add_column(title, justify="right")
+            # titles may wrap between words; a number has none, so rich keeps it whole or, at worst, folds it
+            table.add_column(title, justify="right", overflow="fold")
         for text in self._rows:
             table.add_row(*text.split())
-        console.print(table)
-        for line in lines:
-            console.print(line, highlight=False, markup=False)
+        return table
 
 
 def _has_rich() -> bool:
-    try:
-        import rich  # noqa: F401
-    except ModuleNotFoundError:
-        return False
-    return True
+    return importlib.util.find_spec("rich") is not None

@@ -68,9 +68,23 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def plot_formats() -> set[str]:
+    """The file extensions matplotlib writes (png, svg, pdf, ...): --plot is checked against them up front."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
+def plotted_quantity(document: dict) -> str:
+    """What the plot draws: bus bandwidth, or algorithm bandwidth where every bus bandwidth is 0 (one rank:
+    nccl-tests' factor (n-1)/n is 0, and a chart of nothing helps no one)."""
+    busbw = [m["busbw_GBps"] for row in document["rows"] for m in row["results"].values() if m]
+    return "busbw_GBps" if any(b for b in busbw if b is not None) else "algbw_GBps"
+
+
 def plot(document: dict, path: str | Path) -> Path:
-    """Bus bandwidth against size, both on log scales, one line per series (with several types or ops, one per
-    type and op of distrib's first series); the device and date in the title.
+    """Bus bandwidth (or algbw, see `plotted_quantity`) against size, both on log scales, one line per series
+    (with several types or ops, one per type and op of distrib's first series); the device and date in the title.
 
     Raises:
       ModuleNotFoundError: matplotlib is missing (the bench extra).
@@ -82,6 +96,7 @@ def plot(document: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
+    quantity = plotted_quantity(document)
     figure, axes = pyplot.subplots(figsize=(8, 5))
     passes = list(dict.fromkeys((row["type"], row["redop"]) for row in document["rows"]))
     # -d all / -o all: one line per type and op, of distrib's first series only (every series would be dozens)
@@ -89,20 +104,27 @@ def plot(document: dict, path: str | Path) -> Path:
         [(document["series"][0], this) for this in passes]
     if len(lines) > 10:  # matplotlib's default cycle repeats after 10 colours
         axes.set_prop_cycle(color=pyplot.get_cmap("tab20").colors)
+    drawn = 0
     for name, this in lines:
-        points = [(row["size"], row["results"][name]["busbw_GBps"]) for row in document["rows"]
-                  if row["results"].get(name) and row["size"] > 0 and row["results"][name]["busbw_GBps"]
-                  and math.isfinite(row["results"][name]["busbw_GBps"])
+        points = [(row["size"], row["results"][name][quantity]) for row in document["rows"]
+                  if row["results"].get(name) and row["size"] > 0 and row["results"][name][quantity]
+                  and math.isfinite(row["results"][name][quantity])
                   and this in (None, (row["type"], row["redop"]))]
         if points:
             label = name if this is None else f"{name} {this[0]}" + (f" {this[1]}" if this[1] != "none" else "")
             axes.plot(*zip(*points), marker="o", markersize=3, label=label)
-    axes.set_xscale("log", base=2)
-    axes.set_yscale("log")
+            drawn += 1
     axes.set_xlabel("size (bytes)")
-    axes.set_ylabel("bus bandwidth (GB/s)")
+    if quantity == "busbw_GBps":
+        axes.set_ylabel("bus bandwidth (GB/s)")
+    else:
+        axes.set_ylabel("algorithm bandwidth (GB/s)" + (": bus bandwidth is 0 on one rank" if document["ranks"] == 1
+                                                        else ""))
+    if drawn:  # log scales and a legend of nothing warn
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.legend(fontsize=8 if len(lines) > 6 else None, ncol=2 if len(lines) > 10 else 1)
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8 if len(lines) > 6 else None, ncol=2 if len(lines) > 10 else 1)
     processes = document.get("processes", 1)
     ranks = f"{document['ranks']} ranks" + (f" in {processes} processes" if processes > 1 else "")
     axes.set_title(f"distrib bench {document['collective']} ({document['type']}, {ranks})\n"

@@ -2,8 +2,8 @@
 
 A series prepares one row (a collective at one size) and hands back a `Prepared`: a step to time, a way to
 wait for it, a way to reset its inputs, and the last result per rank on the host for the check. Inputs are
-small integers, so sums are exact in every dtype and `#wrong` counts real mismatches against the host's
-answer (`expected`).
+small integers, few enough that every partial sum is exact in the dtype, so `#wrong` counts every mismatch
+against the host's answer (`expected`), as nccl-tests does.
 """
 
 from __future__ import annotations
@@ -45,20 +45,46 @@ class RowSpec:
         """Where global rank `rank` sits among this process's ranks (None if another process drives it)."""
         return rank - self.first_local if rank in self.local_ranks else None
 
+    @property
+    def input_top(self) -> int:
+        """The largest input: 7, or less where a sum of 7 per rank would overflow the dtype or need rounding
+        (bfloat16 holds every integer to 256 only, so 32 ranks get 1..7 but 64 get 1..4)."""
+        return max(1, min(7, exact_limit(self.dtype) // self.ranks))
+
+    @property
+    def tolerance(self) -> float:
+        """The relative error `#wrong` forgives: none where the answer is exact, as in nccl-tests.
+
+        Sums of these inputs are exact (see `input_top`) and gathers move bits. avg's division rounds, and where
+        distrib divides (before or after the sum, in which precision) is its own: 2 units in the last place, as
+        nccl-tests allows for avg. Past the ranks a type sums exactly (bfloat16 beyond 256), each add can round.
+        """
+        if not _is_float(self.dtype) or self.collective.name in ("all_gather", "broadcast"):
+            return 0.0
+        eps = float(_finfo(self.dtype).eps)
+        if self.input_top * self.ranks > exact_limit(self.dtype):
+            return self.ranks * eps
+        return 2 * eps if self.op == "avg" else 0.0
+
     def host_input(self, rank: int) -> np.ndarray:
-        """Rank `rank`'s send buffer: 1..7 in a pattern that differs per rank, so a swapped rank is caught."""
-        return ((np.arange(self.layout.send_count) + 3 * rank) % 7 + 1).astype(self.dtype)
+        """Rank `rank`'s send buffer: 1..input_top in a pattern that differs per rank, so a swapped rank is caught."""
+        return ((np.arange(self.layout.send_count) + 3 * rank) % self.input_top + 1).astype(self.dtype)
 
     def expected(self) -> list[np.ndarray | None]:
         """The correct result per rank, computed on the host (None where a rank receives nothing)."""
-        inputs = [self.host_input(r) for r in range(self.ranks)]
         name, n = self.collective.name, self.ranks
         if name == "all_gather":
-            return [np.concatenate(inputs)] * n
+            return [np.concatenate([self.host_input(r) for r in range(n)])] * n
         if name == "broadcast":
-            return [inputs[self.root]] * n
-        total = np.sum(np.stack(inputs).astype(np.float64), axis=0)
-        total = (total / n if self.op == "avg" else total).astype(self.dtype)
+            return [self.host_input(self.root)] * n
+        # summed one rank at a time: a stack of every rank's input would hold n copies of the largest buffer
+        wide = np.float64 if _is_float(self.dtype) else np.uint64 if self.dtype.kind == "u" else np.int64
+        total = np.zeros(self.layout.send_count, wide)
+        for r in range(n):
+            total += self.host_input(r)
+        if self.op == "avg":
+            total /= n
+        total = total.astype(self.dtype)  # integers wrap on overflow, as NCCL's do
         if name == "reduce_scatter":
             part = self.layout.recv_count
             return [total[r * part:(r + 1) * part] for r in range(n)]
@@ -82,8 +108,13 @@ class Prepared:
     outputs: Callable[[Any], list[np.ndarray | None]]  # the step's result -> host arrays per rank
 
 
-def count_wrong(outputs: Sequence[np.ndarray | None], expected: Sequence[np.ndarray | None]) -> int:
-    """Elements that differ from the host's answer, over every rank that receives a result."""
+def count_wrong(outputs: Sequence[np.ndarray | None], expected: Sequence[np.ndarray | None],
+                tolerance: float = 0.0) -> int:
+    """Elements that differ from the host's answer, over every rank that receives a result.
+
+    Args:
+      tolerance: the relative error forgiven (RowSpec.tolerance); 0 compares exactly.
+    """
     wrong = 0
     for got, want in zip(outputs, expected):
         if want is None:
@@ -91,13 +122,31 @@ def count_wrong(outputs: Sequence[np.ndarray | None], expected: Sequence[np.ndar
         if got is None or got.shape != want.shape:
             wrong += want.size
             continue
-        if want.dtype.kind == "f" or str(want.dtype) == "bfloat16":  # avg divides: allow the last bit
-            close = np.isclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-2 if want.itemsize <= 2
-                               else 1e-6, atol=0)
+        if tolerance:
+            close = np.isclose(got.astype(np.float64), want.astype(np.float64), rtol=tolerance, atol=0)
             wrong += int(want.size - np.count_nonzero(close))
         else:
             wrong += int(np.count_nonzero(got != want))
     return wrong
+
+
+def exact_limit(dtype: np.dtype) -> int:
+    """The largest integer up to which `dtype` holds every integer (and sums of them stay exact)."""
+    if not _is_float(dtype):
+        return int(np.iinfo(dtype).max)
+    return 2 ** (int(_finfo(dtype).nmant) + 1)
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype.name == "bfloat16"  # ml_dtypes' bfloat16 is of kind "V"
+
+
+def _finfo(dtype: np.dtype):
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
+    return np.finfo(dtype)
 
 
 class DistribSeries:

@@ -79,6 +79,9 @@ def combinations(datatype: str, op: str, collective: str, reduces: bool) -> tupl
       >>> [(c.type_name, c.op) for c in combinations("all", "all", "all_reduce", True)[0]][:3]
       [('int8', 'sum'), ('uint8', 'sum'), ('int32', 'sum')]
     """
+    if not reduces and op != "sum":  # nccl-tests ignores -o where nothing is reduced (redop none)
+        passes, notes = combinations(datatype, "sum", collective, reduces)
+        return passes, [f"# -o {op} ignored: {collective} has no reduction op (as in nccl-tests)", *notes]
     if op in NCCL_OPS and op not in OPS:
         raise SweepError(f"-o {op} is an nccl-tests op that distrib does not have: distrib reduces with SUM and "
                          f"MEAN only, as tf.distribute's ReduceOp. Use -o sum, -o avg or -o all.")

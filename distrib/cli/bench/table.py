@@ -10,17 +10,18 @@ from typing import Callable, Sequence
 
 
 def parse_size(text: str) -> int:
-    """A byte count as nccl-tests reads one: a number with an optional K, M or G (powers of 1024).
+    """A byte count as nccl-tests reads one: a number with an optional K, M or G (powers of 1024), which may be
+    followed by B or iB (nccl-tests reads the first letter only).
 
     Example:
-      >>> parse_size("8"), parse_size("64K"), parse_size("1.5m"), parse_size("1G")
-      (8, 65536, 1572864, 1073741824)
+      >>> parse_size("8"), parse_size("64K"), parse_size("1.5m"), parse_size("1G"), parse_size("1KB")
+      (8, 65536, 1572864, 1073741824, 1024)
     """
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KkMmGg]?)\s*", str(text))
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([KkMmGg])(?:[iI]?[bB])?)?\s*", str(text))
     if not match:
-        raise ValueError(f"A size is a number of bytes with an optional K, M or G suffix, such as 8, 64K or 128M. "
-                         f"Received: {text!r}.")
-    return int(float(match[1]) * 1024 ** " KMG".index(match[2].upper() or " "))
+        raise ValueError(f"A size is a number of bytes with an optional K, M or G suffix (powers of 1024; KB and KiB "
+                         f"read the same), such as 8, 64K or 1.5M. Received: {text!r}.")
+    return int(float(match[1]) * 1024 ** " KMG".index((match[2] or " ").upper()))
 
 
 def sizes(minbytes: int, maxbytes: int, stepfactor: int = 1, stepbytes: int = 1 << 20) -> list[int]:
@@ -91,13 +92,20 @@ def _whole(size: int, itemsize: int, n: int) -> Layout:
     return Layout(count, count, count * itemsize, count, count * itemsize)
 
 
+def _per_rank(size: int, itemsize: int, n: int) -> int:
+    """nccl-tests' count per rank of all_gather and reduce_scatter: (count/nranks) & ~(16/eltSize - 1), whole
+    16-byte slices."""
+    aligned = max(1, 16 // itemsize)
+    return size // itemsize // n // aligned * aligned
+
+
 def _gather(size: int, itemsize: int, n: int) -> Layout:
-    base = size // itemsize // n
+    base = _per_rank(size, itemsize, n)
     return Layout(base, base * n, base * n * itemsize, base, base * n * itemsize)
 
 
 def _scatter(size: int, itemsize: int, n: int) -> Layout:
-    base = size // itemsize // n // max(1, 16 // itemsize) * max(1, 16 // itemsize)  # 16-byte aligned slices
+    base = _per_rank(size, itemsize, n)
     return Layout(base * n, base, base * n * itemsize, base, base * n * itemsize)
 
 
@@ -189,9 +197,14 @@ def row(collective: Collective, layout: Layout, type_name: str, op_name: str, ro
     return text + "".join(f"  {e:>10s}" for e in extra)
 
 
-def footer(wrong: int, busbw: Sequence[float], label: str = "") -> str:
-    """nccl-tests' closing lines: out-of-bounds values and the average bus bandwidth over every measurement."""
+def footer(failures: int, busbw: Sequence[float]) -> str:
+    """nccl-tests' closing lines, to the space: the measurements whose check failed, and the average bus bandwidth
+    over every measurement (nccl-tests' `# %-20s : %d %s` and `# %-20s : %g %s`)."""
     average = statistics.fmean(busbw) if busbw else 0.0
-    name = f"Avg bus bandwidth{f' ({label})' if label else ''}"
-    return (f"# Out of bounds values : {wrong} {'FAILED' if wrong else 'OK'}\n"
-            f"# {name:<21s}: {average:g} ")
+    return (f"# {'Out of bounds values':<20s} : {failures} {'FAILED' if failures else 'OK'}\n"
+            f"# {'Avg bus bandwidth':<20s} : {average:g} ")
+
+
+def concluded(program: str) -> str:
+    """nccl-tests' last line, after a line holding "#"."""
+    return f"# Collective test concluded: {program}"
