@@ -126,7 +126,8 @@ def plot(document: dict, path: str | Path) -> Path:
         axes.legend(fontsize=8 if len(lines) > 6 else None, ncol=2 if len(lines) > 10 else 1)
     axes.grid(True, which="both", alpha=0.3)
     processes = document.get("processes", 1)
-    ranks = f"{document['ranks']} ranks" + (f" in {processes} processes" if processes > 1 else "")
+    ranks = f"{document['ranks']} rank{'s' * (document['ranks'] != 1)}" + \
+        (f" in {processes} processes" if processes > 1 else "")
     axes.set_title(f"distrib bench {document['collective']} ({document['type']}, {ranks})\n"
                    f"{document['device']}, {document['date'][:10]}", fontsize=10)
     figure.tight_layout()
