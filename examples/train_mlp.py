@@ -1,6 +1,6 @@
 """Train a small MLP on the bundled 8x8 digits, data-parallel: the model to copy when you start your own.
 
-    python3 examples/train_mlp.py                 # every GPU, else 2 emulated CPU replicas
+    python3 examples/train_mlp.py                 # every GPU, else $DISTRIB_CPU_REPLICAS (default 2) emulated replicas
     python3 examples/train_mlp.py --replicas 4    # 4 emulated CPU replicas
     mpirun -np 2 python3 examples/train_mlp.py    # 2 processes (each with every local GPU, or 2 emulated replicas)
     mpirun -np 2 python3 examples/train_mlp.py --replicas 1   # 2 processes of 1 emulated replica each
@@ -34,7 +34,7 @@ def shuffled_batches(x, y, batch_size: int, seed: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, help="emulated CPU replicas, per process under mpirun (default: "
-                                                     "every GPU, else 2)")
+                                                     "every GPU, else $DISTRIB_CPU_REPLICAS, else 2)")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the replicas")
     parser.add_argument("--learning-rate", type=float, default=0.003)
