@@ -5,8 +5,8 @@
     mpirun -np 2 python3 examples/train_mlp.py    # 2 processes (each with every local GPU, or 2 emulated replicas)
     mpirun -np 2 python3 examples/train_mlp.py --replicas 1   # 2 processes of 1 emulated replica each
 
-It is `distrib train` (whose model, distrib/cli/model.py, it shares) without the run directory, resuming and
-precision flags: a strategy, variables made in its scope, a distributed dataset, a replica step that computes
+It trains `distrib train`'s model (distrib/cli/model.py) on the same data, with a shuffle of its own (so its
+losses differ from the command's), and without the run directory, resuming and precision flags: a strategy, variables made in its scope, a distributed dataset, a replica step that computes
 its local gradients, and an optimizer that averages them across replicas.
 """
 
