@@ -20,7 +20,7 @@ from distrib.parameter_server.strategy import ParameterServerStrategy
 from distrib.replica_context import ReplicaContext
 from distrib.strategy import Strategy
 from distrib.values import DistributedValues, Mirrored, PerReplica
-from distrib.variables import Variable, VariableAggregation, VariableSynchronization
+from distrib.variables import IndexedSlices, Variable, VariableAggregation, VariableSynchronization
 
 __all__ = [
     "__version__",
@@ -36,6 +36,7 @@ __all__ = [
     "DistributedValues",
     "DistributedVariable",
     "HierarchicalCopyAllReduce",
+    "IndexedSlices",
     "InputContext",
     "InputOptions",
     "InputReplicationMode",

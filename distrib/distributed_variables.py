@@ -12,8 +12,8 @@ from distrib.backends import Backend
 from distrib.options import coerce_enum
 from distrib.plan import is_inexact
 from distrib.values import DistributedValues, PerReplica, is_zero_scalar, register_leaf_type
-from distrib.variables import (Variable, VariableAggregation, VariableSynchronization, _ArrayOperators,
-                               _coerce_aggregation, _update_replica)
+from distrib.variables import (IndexedSlices, Variable, VariableAggregation, VariableSynchronization,
+                               _ArrayOperators, _coerce_aggregation, _update_replica, scatter_rows)
 
 
 class DistributedVariable(_ArrayOperators, DistributedValues):
@@ -97,6 +97,37 @@ class DistributedVariable(_ArrayOperators, DistributedValues):
     def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
         return self._write("assign_sub", delta)
 
+    def scatter_add(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Adds an IndexedSlices to the variable's rows, following its synchronization; returns the variable."""
+        return self._scatter("scatter_add", sparse_delta)
+
+    def scatter_sub(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Subtracts an IndexedSlices from the variable's rows; returns the variable."""
+        return self._scatter("scatter_sub", sparse_delta)
+
+    def scatter_mul(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Multiplies the variable's rows by an IndexedSlices; returns the variable."""
+        return self._scatter("scatter_mul", sparse_delta)
+
+    def scatter_div(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Divides the variable's rows by an IndexedSlices; returns the variable."""
+        return self._scatter("scatter_div", sparse_delta)
+
+    def scatter_min(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Sets the variable's rows to their minimum with an IndexedSlices; returns the variable."""
+        return self._scatter("scatter_min", sparse_delta)
+
+    def scatter_max(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Sets the variable's rows to their maximum with an IndexedSlices; returns the variable."""
+        return self._scatter("scatter_max", sparse_delta)
+
+    def scatter_update(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Sets the variable's rows from an IndexedSlices; returns the variable."""
+        return self._scatter("scatter_update", sparse_delta)
+
+    def _scatter(self, method: str, sparse_delta: Any):
+        raise NotImplementedError
+
     def _update_all(self, method: str, value: Any):
         """Applies `component.method(select_replica(i, value))` to every component (cross-replica)."""
         self._strategy.extended.update(self, lambda component, v: getattr(component, method)(v), args=(value,))
@@ -138,6 +169,101 @@ class MirroredVariable(DistributedVariable):
         ctx = context.get_replica_context()
         ctx.merge_call(_merge_mirrored_write, args=(self, method, value))
         return self
+
+    def _scatter(self, method: str, sparse_delta: Any):
+        aggregation = self._aggregation
+        if method in ("scatter_min", "scatter_max", "scatter_update") and aggregation in (VariableAggregation.SUM,
+                                                                                        VariableAggregation.MEAN):
+            # TensorFlow's rule (values.py), in every context: the replicas' rows have no sum or mean to write
+            raise NotImplementedError(f"{method} of MirroredVariable {self._name!r} needs aggregation NONE or "
+                                      f"ONLY_FIRST_REPLICA. Received: aggregation {aggregation.name}.")
+        local = self._local()
+        if not self._in_replica_context():
+            if local is not None:  # inside extended.update: this component only
+                getattr(local, method)(sparse_delta)
+                return self
+            if any(isinstance(x, PerReplica) for x in (sparse_delta, getattr(sparse_delta, "indices", None),
+                                                       getattr(sparse_delta, "values", None))):
+                raise ValueError(f"A MirroredVariable can only be given one IndexedSlices in a cross-replica "
+                                 f"context ({method} of {self._name!r}). Received: a PerReplica.")
+            return self._update_all(method, sparse_delta)  # the same rows into every copy
+        if aggregation is VariableAggregation.NONE:
+            getattr(local, method)(sparse_delta)
+            return self
+        local._sparse_operands(method, sparse_delta)  # each replica's own mistakes raise in that replica
+        if method in ("scatter_mul", "scatter_div") and aggregation is not VariableAggregation.ONLY_FIRST_REPLICA \
+                and self._strategy.num_replicas_in_sync != len(self._values):
+            raise NotImplementedError(f"{method} of MirroredVariable {self._name!r} with aggregation "
+                                      f"{aggregation.name} in a replica context is not supported across processes "
+                                      f"(it would gather every replica's rows). Received: "
+                                      f"{self._strategy.num_replicas_in_sync} replicas in {len(self._values)} "
+                                      f"local; use ONLY_FIRST_REPLICA or a cross-replica context.")
+        delta = IndexedSlices(sparse_delta.values, sparse_delta.indices)  # leaves kept: regroup tells them apart
+        context.get_replica_context().merge_call(_merge_mirrored_scatter, args=(self, method, delta))
+        return self
+
+
+def _merge_mirrored_scatter(strategy: Any, variable: MirroredVariable, method: str, delta: IndexedSlices) -> None:
+    """Cross-replica half of a replica-context scatter (SUM, MEAN or ONLY_FIRST_REPLICA), as TensorFlow reduces
+    IndexedSlices: ONLY_FIRST_REPLICA applies replica 0's rows to every copy; SUM concatenates the replicas'
+    rows, MEAN too with values / n. Add and sub densify each replica's rows instead and take the dense write path
+    (same sums, reduced by the strategy's collectives, across processes too); mul and div apply the
+    concatenated rows (one process only)."""
+    components = variable.values
+    count = len(components)
+    distributed = any(isinstance(x, PerReplica) for x in delta)
+
+    def replica_rows(i: int) -> tuple[Any, Any]:  # replica i's checked indices and values, on its device
+        part = [x.values[i] if isinstance(x, DistributedValues) else x for x in delta]
+        return components[i]._sparse_operands(method, IndexedSlices(*part))
+
+    def apply(rows: IndexedSlices) -> None:
+        strategy.extended.update(variable, lambda component, d: getattr(component, method)(d), args=(rows,))
+
+    if variable.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+        apply(_first_replica_rows(strategy, components[0], *replica_rows(0)))
+    elif method in ("scatter_add", "scatter_sub"):
+        dense = [_densify(components[i], *replica_rows(i)) for i in range(count if distributed else 1)]
+        _merge_mirrored_write(strategy, variable, "assign_add" if method == "scatter_add" else "assign_sub",
+                              PerReplica(dense) if distributed else dense[0])
+    elif not distributed:  # the same rows on every replica: TensorFlow's reduce of a non-distributed value
+        if variable.aggregation is VariableAggregation.SUM and count > 1:
+            raise ValueError(f"IndexedSlices that are the same object on every replica cannot be SUM-aggregated "
+                             f"into {variable.name!r}: they would be applied {count} times. Pass per-replica "
+                             f"values, or use aggregation MEAN or ONLY_FIRST_REPLICA.")
+        apply(IndexedSlices(*reversed(replica_rows(0))))
+    else:
+        backend, device = strategy.extended.backend, components[0].device
+        rows = [[backend.to_device(a, device) for a in replica_rows(i)] for i in range(count)]
+        xp = backend.xp
+        with backend.device_scope(device):
+            indices = xp.concatenate([r[0].reshape(-1) for r in rows])
+            values = xp.concatenate([r[1].reshape((-1,) + variable.shape[1:]) for r in rows])
+            if variable.aggregation is VariableAggregation.MEAN:  # a float variable (MEAN needs one)
+                values = values / xp.asarray(count, values.dtype)
+        apply(IndexedSlices(values, indices))
+
+
+def _densify(component: Variable, indices: Any, values: Any) -> Any:
+    """Zeros of the variable's shape with `values` added at their rows (repeated rows add up), on its device."""
+    backend = component._backend
+    with backend.device_scope(component.device):
+        dense = backend.xp.zeros(component.shape, component.dtype)
+        scatter_rows(backend.xp, dense, "scatter_add", indices, values)
+    return dense
+
+
+def _first_replica_rows(strategy: Any, component: Variable, indices: Any, values: Any) -> IndexedSlices:
+    """Replica 0's rows as every process sees them. Across processes a broadcast needs one shape everywhere, so
+    the row count travels first (one process: `_first_replica_value` returns its argument)."""
+    first, backend = strategy.extended._first_replica_value, strategy.extended.backend
+    indices = indices.reshape(-1).astype(np.int64)
+    values = values.reshape((-1,) + component.shape[1:])
+    count = int(np.asarray(backend.to_host(first(np.array([indices.shape[0]], np.int64))))[0])
+    if count != indices.shape[0]:  # another process's replica 0 wrote a different number of rows
+        indices = np.zeros(count, np.int64)
+        values = np.zeros((count,) + component.shape[1:], component.dtype)
+    return IndexedSlices(first(values), first(indices))
 
 
 def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str, value: Any) -> None:
@@ -188,6 +314,12 @@ class SyncOnReadVariable(DistributedVariable):
 
     def numpy(self) -> np.ndarray:
         return np.array(self._strategy.extended.backend.to_host(self.read_value()), copy=True)
+
+    def _scatter(self, method: str, sparse_delta: Any):
+        # TensorFlow's too (values.py): the copies are summed or averaged on read, which rows cannot follow
+        raise NotImplementedError(f"{method} is not supported for a SyncOnReadVariable ({self._name!r}): its "
+                                  f"copies are aggregated when read. Received: synchronization ON_READ; use "
+                                  f"assign_add with a dense value, or an ON_WRITE variable.")
 
     def _write(self, method: str, value: Any):
         local = self._local()

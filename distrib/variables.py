@@ -13,7 +13,7 @@ import itertools
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -66,6 +66,22 @@ _update_replica = threading.local()  # the component index inside StrategyExtend
 def update_context(replica_id: int) -> contextlib.AbstractContextManager:
     """While `update` runs fn on component `replica_id`, reads of distributed variables see that component."""
     return context.thread_value(_update_replica, "id", replica_id)
+
+
+class IndexedSlices(NamedTuple):
+    """Rows of a sparse update: `values[i]` goes to row `indices[i]` of an array of `dense_shape` (tf.IndexedSlices).
+
+    The `sparse_delta` of `Variable.scatter_*`; `dense_shape` is informational (scatters use the variable's shape).
+    """
+
+    values: Any
+    indices: Any
+    dense_shape: Any = None
+
+
+# method -> NumPy ufunc applied row by row; "scatter_update" assigns instead
+_SCATTER_UFUNCS = {"scatter_add": "add", "scatter_sub": "subtract", "scatter_mul": "multiply",
+                   "scatter_div": "divide", "scatter_min": "minimum", "scatter_max": "maximum"}
 
 
 class _VariableMeta(type):
@@ -247,11 +263,139 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
         self._backend.xp.subtract(buffer, self._operand(delta, "assign_sub"), out=buffer, casting="same_kind")
         return self
 
+    # -- sparse writes (TensorFlow's tf.Variable.scatter_*) --------------------------------------------------
+
+    def scatter_add(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Adds `sparse_delta.values` to the rows `sparse_delta.indices` (repeated rows add up); returns the variable."""
+        return self._scatter("scatter_add", sparse_delta)
+
+    def scatter_sub(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Subtracts `sparse_delta.values` from its rows (repeated rows accumulate); returns the variable."""
+        return self._scatter("scatter_sub", sparse_delta)
+
+    def scatter_mul(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Multiplies its rows by `sparse_delta.values` (repeated rows accumulate); returns the variable."""
+        return self._scatter("scatter_mul", sparse_delta)
+
+    def scatter_div(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Divides its rows by `sparse_delta.values` (integers truncate toward zero, as in TensorFlow); returns
+        the variable."""
+        return self._scatter("scatter_div", sparse_delta)
+
+    def scatter_min(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Sets its rows to the minimum of themselves and `sparse_delta.values`; returns the variable."""
+        return self._scatter("scatter_min", sparse_delta)
+
+    def scatter_max(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Sets its rows to the maximum of themselves and `sparse_delta.values`; returns the variable."""
+        return self._scatter("scatter_max", sparse_delta)
+
+    def scatter_update(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Sets the rows `sparse_delta.indices` to `sparse_delta.values` (for a repeated row, the last one on the
+        CPU; TensorFlow leaves the order undefined); returns the variable."""
+        return self._scatter("scatter_update", sparse_delta)
+
+    def _scatter(self, method: str, sparse_delta: Any):
+        indices, values = self._sparse_operands(method, sparse_delta)
+        scatter_rows(self._backend.xp, self._writable(), method, indices, values)  # checked first: all or nothing
+        return self
+
+    def _sparse_operands(self, method: str, sparse_delta: Any) -> tuple[Any, Any]:
+        """`sparse_delta`'s indices and values on the variable's device, checked as TensorFlow's scatter kernels do,
+        the values cast to the variable's dtype."""
+        if not (hasattr(sparse_delta, "indices") and hasattr(sparse_delta, "values")):
+            raise TypeError(f"{method} needs an IndexedSlices (with .indices and .values) for variable "
+                            f"{self._name!r}. Received: {type(sparse_delta).__name__}.")
+        if not self.shape:
+            raise ValueError(f"{method} needs a variable of rank 1 or more: indices select rows along axis 0. "
+                             f"Received: variable {self._name!r} of shape ().")
+        dtype = self._buffer.dtype
+        if (method in ("scatter_min", "scatter_max") and dtype.kind == "c") or \
+                (method != "scatter_update" and dtype.kind == "b"):
+            raise TypeError(f"{method} needs a variable of real numbers (TensorFlow has no such kernel for "
+                            f"{dtype}). Received: variable {self._name!r} of dtype {dtype}.")
+        to_device = self._backend.to_device
+        indices = to_device(sparse_delta.indices, self._device)
+        values = sparse_delta.values
+        values = to_device(values.read_value() if isinstance(values, Variable) else values, self._device)
+        if indices.dtype.kind not in "iu":
+            raise TypeError(f"{method} needs integer indices for variable {self._name!r}. Received: dtype "
+                            f"{indices.dtype}.")
+        rows = self.shape[0]
+        if indices.size:
+            low, high = int(indices.min()), int(indices.max())
+            if low < 0 or high >= rows:  # TensorFlow refuses negative indices too (no wrapping from the end)
+                bad = low if low < 0 else high
+                raise IndexError(f"{method} needs indices in [0, {rows}) for variable {self._name!r}. Received: "
+                                 f"index {bad}.")
+        expected = tuple(indices.shape) + self.shape[1:]
+        if tuple(values.shape) != expected:
+            raise ValueError(f"{method} needs values of shape indices.shape + variable.shape[1:] = {expected} for "
+                             f"variable {self._name!r}. Received: shape {tuple(values.shape)}.")
+        if not np.can_cast(values.dtype, dtype, casting="same_kind"):
+            raise TypeError(f"{method} cannot write dtype {values.dtype} into variable {self._name!r} of dtype "
+                            f"{dtype}.")
+        if values.dtype != dtype:
+            check_integers_fit(values, dtype, method, self._name)
+            values = values.astype(dtype)
+        if method == "scatter_div" and dtype.kind in "iu" and values.size and bool((values == 0).any()):
+            raise ValueError(f"{method} cannot divide integers by zero (variable {self._name!r}). Received: a zero "
+                             f"among the values.")
+        return indices, values
+
     def __repr__(self) -> str:
         return f"<Variable {self._name!r} shape={self.shape} dtype={self.dtype.name} device={self._device}>"
 
 
 _INIT_PARAMETERS = inspect.signature(Variable.__init__)
+
+
+def scatter_rows(xp: Any, buffer: Any, method: str, indices: Any, values: Any) -> None:
+    """Applies `method` to `buffer`'s rows `indices` in place (checked operands of `buffer`'s dtype); repeated
+    rows accumulate, as tf.compat.v1.scatter_* do, except for scatter_update, where the last one wins on NumPy."""
+    if method == "scatter_update":
+        buffer[indices] = values
+        return
+    name = _SCATTER_UFUNCS[method]
+    integer_div = name == "divide" and buffer.dtype.kind in "iu"
+    if xp is np and not integer_div:
+        with np.errstate(divide="ignore", invalid="ignore"):  # x / 0 is inf or nan, as in TensorFlow
+            getattr(np, name).at(buffer, indices, values)
+        return
+    if xp is not np and name in ("add", "subtract", "minimum", "maximum"):
+        # Unverified without a GPU: cupyx's atomic scatters cover float16/32/64 and (u)int32/uint64 only, so other
+        # dtypes (and a CuPy without them) take the rounds below.
+        import cupyx
+        scatter = {"add": cupyx.scatter_add, "subtract": cupyx.scatter_add, "minimum": cupyx.scatter_min,
+                   "maximum": cupyx.scatter_max}[name]
+        try:
+            scatter(buffer, indices, -values if name == "subtract" else values)
+            return
+        except (TypeError, NotImplementedError):
+            pass
+    ufunc = _truncating_divide if integer_div else getattr(xp, name)
+    for positions in _rounds(indices):  # no row twice within a round: plain fancy indexing is then exact
+        positions = xp.asarray(positions)
+        rows = indices.reshape(-1)[positions]
+        part = values.reshape((-1,) + tuple(buffer.shape[1:]))[positions]
+        buffer[rows] = ufunc(buffer[rows], part)
+
+
+def _rounds(indices: Any) -> list[np.ndarray]:
+    """Positions of the flat `indices` split into rounds with each row at most once, in order of appearance."""
+    flat = np.asarray(indices.get() if hasattr(indices, "get") else indices).reshape(-1)  # CuPy: a host copy
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]]) if flat.size else np.zeros(0, np.intp)
+    occurrence = np.empty(flat.size, np.intp)  # k for the k-th appearance of its row
+    occurrence[order] = np.arange(flat.size) - np.repeat(starts, np.diff(np.r_[starts, flat.size]))
+    return [np.flatnonzero(occurrence == k) for k in range(int(occurrence.max()) + 1 if flat.size else 0)]
+
+
+def _truncating_divide(a: Any, b: Any) -> Any:
+    """Integer division rounding toward zero, as C and TensorFlow's kernels do (NumPy's // rounds down)."""
+    quotient = a // b
+    return quotient + ((quotient * b != a) & ((a < 0) != (b < 0)))
 
 
 def check_integers_fit(array: Any, dtype: np.dtype, what: str, name: str | None) -> None:

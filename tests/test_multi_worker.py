@@ -374,6 +374,27 @@ def test_one_replica_per_process_reduces_gathers_and_updates_variables_as_one_pr
         assert_one_process_with_two_replicas(json.loads((tmp_path / f"report.json.{rank}").read_text()))
 
 
+def test_sparse_writes_of_every_aggregation_end_as_one_processes_do(tmp_path):
+    done = mpirun("sparse_writes.py", str(tmp_path / "job.json"))  # 2 processes x 2 replicas
+    assert done.returncode == 0, done.stdout + done.stderr
+    alone = subprocess.run([sys.executable, str(HERE / "sparse_writes.py"), str(tmp_path / "alone.json")],
+                           env=mpirun_env(DISTRIB_CPU_REPLICAS="4"), capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    one = json.loads((tmp_path / "alone.json.0").read_text())
+    for rank in (0, 1):
+        job = json.loads((tmp_path / f"job.json.{rank}").read_text())
+        for case, copies in job.items():
+            if case.split()[1] == "scatter_mul" and case.split()[0] in ("SUM", "MEAN"):  # one process only
+                assert copies == "NotImplementedError", case
+            elif isinstance(copies, str):
+                assert copies == one[case], case
+            else:  # this process's copies: global replicas 2 * rank and 2 * rank + 1
+                assert copies == one[case][2 * rank:2 * rank + 2], case
+    assert one["SUM scatter_add"][0] == [[8.0, 8.0], [4.0, 4.0], [8.0, 8.0], [6.0, 6.0]]  # by hand: 1 + the rows
+    assert one["ONLY_FIRST_REPLICA scatter_add"][0] == [[3.0, 3.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]]
+    assert one["SUM scatter_update"] == "NotImplementedError"
+
+
 def mpirun_uneven(program: str, replicas: tuple[int, ...], *args: str) -> subprocess.CompletedProcess:
     """`program` (in tests/multi_worker) on one process per entry of `replicas`, each with that many replicas."""
     command = [MPIRUN]

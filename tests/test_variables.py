@@ -860,3 +860,226 @@ def test_aggregation_none_means_none(strategy):
         v = distrib.Variable(np.float32(0), aggregation=None)
     assert v.aggregation is distrib.VariableAggregation.NONE
     assert distrib.Variable(np.float32(0), aggregation=None).aggregation is distrib.VariableAggregation.NONE
+
+
+# -- sparse writes: scatter_* (TensorFlow's tf.Variable.scatter_*, values.py's MirroredVariable/SyncOnRead rules) --
+
+SCATTERS = ["scatter_add", "scatter_sub", "scatter_mul", "scatter_div", "scatter_min", "scatter_max", "scatter_update"]
+ROW_SCATTERS = ["scatter_min", "scatter_max", "scatter_update"]  # refused for MirroredVariable with SUM or MEAN
+
+
+def scatter_reference(method, array, indices, values):
+    """NumPy's answer: tf.compat.v1.scatter_* accumulate repeated rows; for update, the last one wins."""
+    out = np.array(array, copy=True)
+    if method == "scatter_update":
+        out[indices] = values
+    else:
+        ufunc = {"scatter_add": np.add, "scatter_sub": np.subtract, "scatter_mul": np.multiply,
+                 "scatter_div": np.divide, "scatter_min": np.minimum, "scatter_max": np.maximum}[method]
+        ufunc.at(out, indices, values)
+    return out
+
+
+@pytest.mark.parametrize("method", SCATTERS)
+def test_scatter_on_a_plain_variable_matches_numpy_with_repeated_rows(method):
+    initial = np.arange(1.0, 11.0, dtype=np.float32).reshape(5, 2)
+    indices = np.array([3, 0, 3, 4])
+    values = np.array([[2, 3], [4, 5], [6, 7], [8, 9]], np.float32)
+    v = Variable(initial)
+    assert getattr(v, method)(distrib.IndexedSlices(values, indices)) is v
+    np.testing.assert_allclose(v.numpy(), scatter_reference(method, initial, indices, values))
+
+
+def test_scatter_takes_indices_of_any_rank_and_integer_values_into_floats():
+    v = Variable(np.zeros((4, 3), np.float64))
+    v.scatter_add(distrib.IndexedSlices(np.ones((2, 2, 3), np.int64), np.array([[0, 1], [1, 3]])))
+    assert v.numpy()[:, 0].tolist() == [1.0, 2.0, 0.0, 1.0]
+    v.scatter_update(distrib.IndexedSlices(np.full(3, 7.0), np.int32(2)))  # a scalar index: one row
+    assert v.numpy()[2].tolist() == [7.0, 7.0, 7.0]
+
+
+def test_scatter_div_of_integers_truncates_toward_zero_as_tensorflow():
+    v = Variable(np.array([7, -7, 9, 100], np.int32))
+    v.scatter_div(distrib.IndexedSlices(np.array([2, 2, -2, 3, 3]), np.array([0, 1, 2, 3, 3])))
+    assert v.numpy().tolist() == [3, -3, -4, 11]  # 100 / 3 / 3: 33 then 11
+    with pytest.raises(ValueError, match="divide integers by zero"):
+        v.scatter_div(distrib.IndexedSlices(np.array([0]), np.array([1])))
+    assert v.numpy().tolist() == [3, -3, -4, 11]
+
+
+@pytest.mark.parametrize("indices, error, match", [
+    (np.array([-1]), IndexError, r"indices in \[0, 3\).*Received: index -1"),  # TensorFlow refuses negatives too
+    (np.array([3]), IndexError, r"indices in \[0, 3\).*Received: index 3"),
+    (np.array([1.0]), TypeError, "integer indices.*float64"),
+])
+def test_scatter_refuses_bad_indices_and_changes_nothing(indices, error, match):
+    v = Variable(np.zeros(3, np.float32), name="w")
+    with pytest.raises(error, match=match) as info:
+        v.scatter_update(distrib.IndexedSlices(np.ones(1, np.float32), indices))
+    assert "'w'" in str(info.value)
+    assert v.numpy().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_scatter_refuses_bad_values_and_arguments():
+    v = Variable(np.zeros((3, 2), np.int8), name="w")
+    with pytest.raises(ValueError, match=r"shape .*\(2, 2\).*Received: shape \(2,\)"):
+        v.scatter_add(distrib.IndexedSlices(np.ones(2, np.int8), np.array([0, 1])))
+    with pytest.raises(TypeError, match="cannot write dtype float64 into variable 'w' of dtype int8"):
+        v.scatter_add(distrib.IndexedSlices(np.ones((1, 2)), np.array([0])))
+    with pytest.raises(TypeError, match="outside int8's range"):
+        v.scatter_update(distrib.IndexedSlices(np.full((1, 2), 300), np.array([0])))
+    with pytest.raises(TypeError, match="needs an IndexedSlices.*Received: ndarray"):
+        v.scatter_add(np.ones((3, 2), np.int8))
+    with pytest.raises(ValueError, match="rank 1 or more"):
+        Variable(np.float32(1)).scatter_add(distrib.IndexedSlices(np.ones(1), np.array([0])))
+    with pytest.raises(TypeError, match="real numbers"):
+        Variable(np.zeros(2, bool)).scatter_add(distrib.IndexedSlices(np.ones(1, bool), np.array([0])))
+    assert v.numpy().tolist() == [[0, 0]] * 3
+
+
+def test_integer_values_that_fit_are_written_into_narrower_integers():
+    v = Variable(np.zeros(3, np.int8))
+    v.scatter_add(distrib.IndexedSlices(np.array([100, 27], np.int64), np.array([1, 1])))
+    assert v.numpy().tolist() == [0, 127, 0]
+
+
+@pytest.mark.parametrize("method", SCATTERS)
+def test_a_value_read_before_a_scatter_never_changes(method):
+    v = Variable(np.ones((3, 2), np.float32))
+    before = v.read_value()
+    getattr(v, method)(distrib.IndexedSlices(np.full((1, 2), 4.0, np.float32), np.array([1])))
+    assert before.tolist() == [[1.0, 1.0]] * 3
+    assert v.numpy()[1].tolist() != [1.0, 1.0] or method == "scatter_min"
+
+
+def test_scatter_without_live_reads_writes_in_place():
+    v = Variable(np.ones(4, np.float32))
+    start = address(v.read_value())  # this read dies at once
+    v.scatter_add(distrib.IndexedSlices(np.ones(1, np.float32), np.array([2])))
+    v.scatter_update(distrib.IndexedSlices(np.zeros(1, np.float32), np.array([0])))
+    after = v.read_value()
+    assert address(after) == start
+    assert after.tolist() == [0.0, 1.0, 2.0, 1.0]
+
+
+def mirrored_rows(strategy, aggregation=NONE, dtype=np.float32):
+    with strategy.scope():
+        return distrib.Variable(np.ones((4, 2), dtype), aggregation=aggregation)
+
+
+def first_column(variable) -> list:
+    return [component.numpy()[:, 0].tolist() for component in variable.values]
+
+
+@pytest.mark.parametrize("aggregation", ALL_AGGREGATIONS)
+@pytest.mark.parametrize("method", SCATTERS)
+def test_mirrored_scatter_in_cross_replica_context_updates_every_copy(strategy, aggregation, method):
+    v = mirrored_rows(strategy, aggregation)
+    delta = distrib.IndexedSlices(np.full((3, 2), 3.0, np.float32), np.array([0, 2, 2]))
+    if method in ROW_SCATTERS and aggregation in (SUM, MEAN):
+        with pytest.raises(NotImplementedError, match=f"{method}.*NONE or ONLY_FIRST_REPLICA.*{aggregation.name}"):
+            getattr(v, method)(delta)
+        return
+    assert getattr(v, method)(delta) is v
+    expected = scatter_reference(method, np.ones((4, 2), np.float32), delta.indices, delta.values)[:, 0].tolist()
+    assert first_column(v) == [expected] * 4
+
+
+def replica_rows(method, replica):
+    """Replica r's IndexedSlices: value r + 2 at rows r % 2 and 3."""
+    return distrib.IndexedSlices(np.full((2, 2), replica + 2.0, np.float32), np.array([replica % 2, 3]))
+
+
+# Each replica r writes r + 2 at rows r % 2 and 3 of a variable of ones: SUM and MEAN combine the replicas' rows
+# as TensorFlow reduces IndexedSlices (concatenated; MEAN divides the values by 4), ONLY_FIRST_REPLICA applies
+# replica 0's (2 at rows 0 and 3) to every copy.
+@pytest.mark.parametrize("aggregation, method, expected", [
+    (SUM, "scatter_add", [1 + 2 + 4, 1 + 3 + 5, 1, 1 + 14]),
+    (SUM, "scatter_sub", [1 - 6, 1 - 8, 1, 1 - 14]),
+    (SUM, "scatter_mul", [8, 15, 1, 120]),
+    (SUM, "scatter_div", [1 / 8, 1 / 15, 1, 1 / 120]),
+    (MEAN, "scatter_add", [2.5, 3, 1, 4.5]),
+    (MEAN, "scatter_sub", [-0.5, -1, 1, -2.5]),
+    (MEAN, "scatter_mul", [0.5, 0.75 * 1.25, 1, 0.5 * 0.75 * 1.25 * 1.0 * 1.0]),
+    (MEAN, "scatter_div", [2, 1 / (0.75 * 1.25), 1, 1 / (0.5 * 0.75 * 1.25)]),
+] + [(FIRST, method, scatter_reference(method, np.ones(4), np.array([0, 3]), np.array([2.0, 2.0])).tolist())
+     for method in SCATTERS])
+def test_mirrored_scatter_in_replica_context_combines_the_replicas_rows(strategy, aggregation, method, expected):
+    v = mirrored_rows(strategy, aggregation)
+    assert strategy.run(lambda: getattr(v, method)(replica_rows(method, replica_id()))) is v
+    for copy in first_column(v):
+        np.testing.assert_allclose(copy, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", SCATTERS)
+def test_mirrored_scatter_with_none_in_replica_context_changes_only_the_local_copy(strategy, method):
+    v = mirrored_rows(strategy, NONE)
+    strategy.run(lambda: getattr(v, method)(replica_rows(method, replica_id())))
+    for replica, copy in enumerate(first_column(v)):
+        reference = scatter_reference(method, np.ones(4), np.array([replica % 2, 3]), np.full(2, replica + 2.0))
+        np.testing.assert_allclose(copy, reference, rtol=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", [SUM, MEAN])
+@pytest.mark.parametrize("method", ROW_SCATTERS)
+def test_mirrored_row_scatters_with_sum_or_mean_raise_in_replica_context(strategy, aggregation, method):
+    v = mirrored_rows(strategy, aggregation)
+    with pytest.raises(NotImplementedError, match=f"{method}.*NONE or ONLY_FIRST_REPLICA"):
+        strategy.run(lambda: getattr(v, method)(replica_rows(method, replica_id())))
+    assert first_column(v) == [[1.0] * 4] * 4
+
+
+def test_mirrored_scatter_add_of_integers_with_sum(strategy):
+    v = mirrored_rows(strategy, SUM, np.int32)
+    strategy.run(lambda: v.scatter_add(distrib.IndexedSlices(np.array([[replica_id()] * 2]), np.array([1]))))
+    assert first_column(v) == [[1, 7, 1, 1]] * 4
+
+
+@pytest.mark.parametrize("method", ["scatter_add", "scatter_mul"])
+def test_the_same_indexed_slices_on_every_replica_cannot_be_summed(strategy, method):
+    v = mirrored_rows(strategy, SUM)
+    delta = distrib.IndexedSlices(np.full((1, 2), 2.0, np.float32), np.array([0]))
+    with pytest.raises(ValueError, match="same object on every replica"):
+        strategy.run(lambda: getattr(v, method)(delta))
+    assert first_column(v) == [[1.0] * 4] * 4
+
+
+@pytest.mark.parametrize("method", ["scatter_add", "scatter_mul"])
+def test_the_same_indexed_slices_on_every_replica_with_mean_is_applied_once(strategy, method):
+    v = mirrored_rows(strategy, MEAN)
+    delta = distrib.IndexedSlices(np.full((1, 2), 2.0, np.float32), np.array([0]))
+    strategy.run(lambda: getattr(v, method)(delta))
+    assert first_column(v) == [[3.0 if method == "scatter_add" else 2.0, 1.0, 1.0, 1.0]] * 4
+
+
+def test_a_bad_index_in_one_replica_raises_before_any_copy_changes(strategy):
+    v = mirrored_rows(strategy, SUM)
+    with pytest.raises(IndexError, match="Received: index 9"):
+        strategy.run(lambda: v.scatter_add(distrib.IndexedSlices(np.ones((1, 2), np.float32),
+                                                                 np.array([9 if replica_id() == 2 else 0]))))
+    assert first_column(v) == [[1.0] * 4] * 4
+
+
+def test_cross_replica_scatter_of_per_replica_rows_raises(strategy):
+    v = mirrored_rows(strategy, SUM)
+    delta = strategy.run(lambda: distrib.IndexedSlices(np.ones((1, 2), np.float32), np.array([replica_id()])))
+    with pytest.raises(ValueError, match="one IndexedSlices in a cross-replica context.*PerReplica"):
+        v.scatter_add(delta)
+
+
+def test_mirrored_scatter_keeps_earlier_reads(strategy):
+    v = mirrored_rows(strategy, FIRST)
+    before = v.read_value()
+    v.scatter_update(distrib.IndexedSlices(np.zeros((1, 2), np.float32), np.array([0])))
+    assert before.tolist() == [[1.0, 1.0]] * 4
+    assert first_column(v) == [[0.0, 1.0, 1.0, 1.0]] * 4
+
+
+@pytest.mark.parametrize("method", SCATTERS)
+def test_sync_on_read_scatter_raises_not_implemented(strategy, method):
+    v = sync_on_read(strategy, value=np.zeros(3), aggregation=SUM)
+    delta = distrib.IndexedSlices(np.ones(1, np.float32), np.array([0]))
+    with pytest.raises(NotImplementedError, match=f"{method} is not supported for a SyncOnReadVariable"):
+        getattr(v, method)(delta)
+    with pytest.raises(NotImplementedError, match="SyncOnReadVariable"):
+        strategy.run(lambda: getattr(v, method)(delta))
