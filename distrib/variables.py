@@ -79,6 +79,20 @@ class IndexedSlices(NamedTuple):
     dense_shape: Any = None
 
 
+def sparse_rows(method: str, sparse_delta: Any, updates: Any = None) -> tuple[Any, Any]:
+    """(indices, updates) of a scatter given TensorFlow's way, one IndexedSlices, or as `indices, updates`.
+
+    Raises:
+      TypeError: `sparse_delta` has no `.indices` and `.values`, and no `updates` came with it.
+    """
+    if updates is not None:
+        return sparse_delta, updates
+    if hasattr(sparse_delta, "indices") and hasattr(sparse_delta, "values"):
+        return sparse_delta.indices, sparse_delta.values
+    raise TypeError(f"{method} needs an IndexedSlices (with .indices and .values), or indices and updates. "
+                    f"Received: {type(sparse_delta).__name__} and no updates.")
+
+
 # method -> NumPy ufunc applied row by row; "scatter_update" assigns instead
 _SCATTER_UFUNCS = {"scatter_add": "add", "scatter_sub": "subtract", "scatter_mul": "multiply",
                    "scatter_div": "divide", "scatter_min": "minimum", "scatter_max": "maximum"}

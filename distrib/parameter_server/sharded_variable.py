@@ -10,7 +10,7 @@ from distrib.backends.cpu import to_numpy
 from distrib.parameter_server.partitioners import locate_rows
 from distrib.parameter_server.server import scatter_rows
 from distrib.parameter_server.variable import ParameterServerVariable, _check_operand, _check_rows
-from distrib.variables import Variable, _ArrayOperators
+from distrib.variables import Variable, _ArrayOperators, sparse_rows
 
 
 class _Done:
@@ -172,16 +172,22 @@ class ShardedVariable(_ArrayOperators):
         """The rows `indices`: the same as `embedding_lookup`."""
         return self.embedding_lookup(indices)
 
-    def scatter_add(self, indices: Any, updates: Any):
-        """Adds `updates[i]` to row `indices[i]` (repeated rows accumulate); returns the variable."""
+    def scatter_add(self, sparse_delta: Any, updates: Any = None):
+        """Adds `updates[i]` to row `indices[i]` (repeated rows accumulate), given as an IndexedSlices (TensorFlow's
+        `sparse_delta`) or as `indices, updates`; returns the variable."""
+        indices, updates = sparse_rows("scatter_add", sparse_delta, updates)
         return self._scatter("scatter_add", indices, updates)
 
-    def scatter_sub(self, indices: Any, updates: Any):
-        """Subtracts `updates[i]` from row `indices[i]` (repeated rows accumulate); returns the variable."""
+    def scatter_sub(self, sparse_delta: Any, updates: Any = None):
+        """Subtracts `updates[i]` from row `indices[i]` (repeated rows accumulate), given as `scatter_add`'s;
+        returns the variable."""
+        indices, updates = sparse_rows("scatter_sub", sparse_delta, updates)
         return self._scatter("scatter_sub", indices, updates)
 
-    def scatter_update(self, indices: Any, updates: Any):
-        """Sets row `indices[i]` to `updates[i]` (the last one wins for a repeated row); returns the variable."""
+    def scatter_update(self, sparse_delta: Any, updates: Any = None):
+        """Sets row `indices[i]` to `updates[i]` (the last one wins for a repeated row), given as `scatter_add`'s;
+        returns the variable."""
+        indices, updates = sparse_rows("scatter_update", sparse_delta, updates)
         return self._scatter("scatter_update", indices, updates)
 
     def _scatter(self, method: str, indices: Any, updates: Any) -> "ShardedVariable":

@@ -10,7 +10,7 @@ from distrib.backends.cpu import to_numpy
 from distrib.errors import ParameterServerError
 from distrib import ray_runtime
 from distrib.parameter_server.write_tags import next_tag
-from distrib.variables import VariableAggregation, VariableSynchronization, _ArrayOperators
+from distrib.variables import VariableAggregation, VariableSynchronization, _ArrayOperators, sparse_rows
 
 
 class Pending:
@@ -124,16 +124,22 @@ class ParameterServerVariable(_ArrayOperators):
         """Subtracts `delta`; returns the variable."""
         return self._wait(self._start_write("assign_sub", delta))
 
-    def scatter_add(self, indices: Any, updates: Any):
-        """Adds `updates[i]` to row `indices[i]` (repeated rows accumulate); returns the variable."""
+    def scatter_add(self, sparse_delta: Any, updates: Any = None):
+        """Adds `updates[i]` to row `indices[i]` (repeated rows accumulate), given as an IndexedSlices (TensorFlow's
+        `sparse_delta`) or as `indices, updates`; returns the variable."""
+        indices, updates = sparse_rows("scatter_add", sparse_delta, updates)
         return self._wait(self._start_scatter("add", indices, updates))
 
-    def scatter_sub(self, indices: Any, updates: Any):
-        """Subtracts `updates[i]` from row `indices[i]` (repeated rows accumulate); returns the variable."""
+    def scatter_sub(self, sparse_delta: Any, updates: Any = None):
+        """Subtracts `updates[i]` from row `indices[i]` (repeated rows accumulate), given as `scatter_add`'s;
+        returns the variable."""
+        indices, updates = sparse_rows("scatter_sub", sparse_delta, updates)
         return self._wait(self._start_scatter("sub", indices, updates))
 
-    def scatter_update(self, indices: Any, updates: Any):
-        """Sets row `indices[i]` to `updates[i]` (the last one wins for a repeated row); returns the variable."""
+    def scatter_update(self, sparse_delta: Any, updates: Any = None):
+        """Sets row `indices[i]` to `updates[i]` (the last one wins for a repeated row), given as `scatter_add`'s;
+        returns the variable."""
+        indices, updates = sparse_rows("scatter_update", sparse_delta, updates)
         return self._wait(self._start_scatter("update", indices, updates))
 
     # -- calls, started here and awaited by the caller (ShardedVariable starts one per shard) -------------

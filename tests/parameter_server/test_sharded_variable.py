@@ -32,7 +32,9 @@ def test_every_operation_equals_the_unsharded_variables(parts):
     expected = plain.numpy()
     np.add.at(expected, rows, updates)
     np.testing.assert_allclose(table.numpy(), expected, rtol=1e-6)
-    table.scatter_sub(rows, updates)
+    plain.scatter_add(distrib.IndexedSlices(updates, rows))  # TensorFlow's form, the same rows
+    np.testing.assert_allclose(table.numpy(), plain.numpy(), rtol=1e-6)
+    table.scatter_sub(distrib.IndexedSlices(updates, rows))
     table.scatter_update([4, 11], np.zeros((2, 3), np.float32))
     np.subtract.at(expected, rows, updates)
     expected[[4, 11]] = 0
@@ -69,6 +71,9 @@ def test_bad_writes_change_nothing():
         table.scatter_add([0, 1], np.ones((2, 3), np.float32))
     with pytest.raises(ValueError, match=r"^Row ids must lie in \[0, 5\)"):
         table.embedding_lookup([7])
+    with pytest.raises(TypeError, match=r"^scatter_add needs an IndexedSlices \(with .indices and .values\), or "
+                                        r"indices and updates. Received: list and no updates."):
+        table.scatter_add([0, 1])
     assert not table.numpy().any()
 
 
