@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 from distrib.backends.base import Backend
 from distrib.input.contexts import InputWorkers
+from distrib.input.prefetch import reading_ahead
 from distrib.options import InputOptions
 from distrib.values import PerReplica, flatten, format_path, unflatten
 
@@ -56,6 +58,26 @@ def batch_leaves(element: Any, backend: Backend, what: str) -> tuple[list, Any]:
                             f"path {format_path(spec.paths()[k])}.")
         arrays.append(array)
     return arrays, spec
+
+
+# references to a leaf that nobody else holds, inside `captured`: the element (or the local naming a bare array),
+# the list of leaves, the comprehension's variable and getrefcount's argument
+_OWN_REFERENCES = 4
+
+
+def captured(arrays: list, backend: Backend) -> list:
+    """`arrays` (an element's leaves), copied where a prefetch thread reads them ahead on the emulator and someone
+    else may still write them.
+
+    On emulated devices a replica's batch is a view of the element's own array. Read ahead, the iterator is
+    already producing the next elements while the consumer uses this one: a loader that refills one buffer
+    would overwrite rows not used yet (TensorFlow copies every element into a tensor). An array that owns its
+    memory and that only the element references (a fresh gather, np.stack...) cannot change, and is kept as is.
+    """
+    if backend.xp is not np or not reading_ahead():  # GPUs copy each batch to the device as it is produced
+        return arrays
+    return [a if type(a) is np.ndarray and a.base is None and sys.getrefcount(a) <= _OWN_REFERENCES else a.copy()
+            for a in arrays]
 
 
 def batch_rows(arrays: Sequence[Any], spec: Any, what: str) -> int:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from distrib.input.batches import ArraySpec, EmptyBatches, assemble, batch_leaves, batch_rows, place, split_bounds
+from distrib.input.batches import (ArraySpec, EmptyBatches, assemble, batch_leaves, batch_rows, captured, place,
+                                   split_bounds)
 from distrib.input.contexts import InputContext, InputWorkers
 from distrib.input.prefetch import END, Prefetcher
 from distrib.options import AutoShardPolicy, InputOptions, InputReplicationMode
@@ -189,6 +190,7 @@ class DistributedDataset(_DatasetBase):
             if batch is END:
                 return NO_DATA
             arrays, spec = batch_leaves(batch, workers.backend, "dataset element")
+            arrays = captured(arrays, workers.backend)
             bounds = split_bounds(batch_rows(arrays, spec, "dataset element"), slices)[first:first + local]
             self._record_spec(spec, arrays)
             empty.remember(spec, arrays)
@@ -239,6 +241,7 @@ class DistributedDatasetsFromFunction(_DatasetBase):
                     per_replica.append(None)
                     continue
                 arrays, element_spec = batch_leaves(element, workers.backend, "per-replica batch")
+                arrays = captured(arrays, workers.backend)
                 batch_rows(arrays, element_spec, "per-replica batch")
                 if spec is not None and element_spec != spec:
                     raise ValueError(f"Every replica's batch must have the same structure. Received: "

@@ -11,6 +11,12 @@ import weakref
 from typing import Any, Callable
 
 END = object()
+_thread_state = threading.local()  # `ahead`: set on prefetch threads, which produce steps before they are asked for
+
+
+def reading_ahead() -> bool:
+    """Whether the caller is a prefetch thread, producing a step before the consumer has asked for it."""
+    return getattr(_thread_state, "ahead", False)
 
 
 class _Signal:
@@ -68,6 +74,7 @@ class Prefetcher:
 
     @staticmethod
     def _fill(produce, depth, half, items, filled, drained, state) -> None:
+        _thread_state.ahead = True
         while not state["stopped"]:
             if len(items) >= depth:
                 filled.notify()

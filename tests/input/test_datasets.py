@@ -479,6 +479,28 @@ def test_prefetching_reads_a_bounded_number_of_batches_ahead(strategy):
     iterator.close()
 
 
+@pytest.mark.parametrize("element", ["bare", "dict"])
+def test_a_loader_that_refills_one_buffer_gives_every_row_once_while_prefetch_reads_ahead(strategy, element):
+    # before: read ahead, the loader refilled the buffer under batches not used yet (rows lost, others twice)
+    rows = np.arange(80, dtype=np.float32).reshape(40, 2)
+
+    class Loader:
+        def __iter__(self):
+            buffer = np.empty((8, 2), np.float32)
+            for start in range(0, 40, 8):
+                buffer[:] = rows[start:start + 8]
+                yield buffer if element == "bare" else {"x": buffer}
+
+    dataset = strategy.experimental_distribute_dataset(Loader())
+    for epoch in range(3):  # the pace is remembered: later epochs read ahead from their first step
+        seen = []
+        for batch in dataset:
+            time.sleep(0.002)  # a training step: the prefetch thread runs ahead meanwhile
+            parts = strategy.experimental_local_results(batch if element == "bare" else batch["x"])
+            seen.append(np.concatenate(parts))
+        np.testing.assert_array_equal(np.concatenate(seen), rows, err_msg=f"epoch {epoch}")
+
+
 def test_the_prefetch_thread_exits_when_the_data_ends(strategy):
     iterator = iter(strategy.experimental_distribute_dataset([np.zeros(4)] * 30))
     started = train_on(iterator, 12)
