@@ -495,3 +495,20 @@ def test_a_slot_overwritten_by_a_later_collective_reads_as_no_mismatch_and_a_ref
     assert second["refusal waited"] >= 0.25  # until rank 0, 0.3 s late, reached the refused collective
     assert "rank 1 (pid " in first["peer of the refusal"] and "refused it" in first["peer of the refusal"]
     assert first["sum after"] == second["sum after"] == 3.0
+
+
+def test_a_worker_whose_input_is_empty_from_the_start_makes_every_worker_raise_at_the_same_step(tmp_path):
+    # it cannot shape empty batches without an element: before, it raised alone and the others, at their next
+    # collective, got a WorkerFailedError and the job was aborted
+    done = mpirun("empty_shards.py", str(tmp_path / "report.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    first, second = (json.loads((tmp_path / f"report.json.{rank}").read_text()) for rank in (0, 1))
+    for case, start in (("by file", "A worker's shard of the dataset is empty"),
+                        ("from function", "A worker's pipelines produced no element")):
+        assert first[case]["steps"] == second[case]["steps"] == 0
+        assert first[case]["error"].startswith(start) and second[case]["error"].startswith(start)
+        assert first[case]["error"].endswith("Received: no element on another worker before its first step.")
+        assert second[case]["error"].endswith("no element on this worker (index 1 of 2) before its first step.")
+        assert first[case]["after"] == second[case]["after"] == 4.0
+    later = {"steps": 2, "error": None, "after": 4.0}  # files 0 and 2 against file 1: empty batches on rank 1
+    assert first["runs out later"] == second["runs out later"] == later

@@ -124,6 +124,11 @@ class EmptyBatches:
     def remember(self, spec: Any, arrays: Sequence[Any]) -> None:
         self._spec, self._leaves = spec, [(a.shape[1:], a.dtype) for a in arrays]
 
+    @property
+    def known(self) -> bool:
+        """Whether a batch has been seen to take the structure from."""
+        return self._spec is not None
+
     def make(self, count: int, no_data: str) -> tuple[Any, list[list[np.ndarray]]]:
         """`count` empty batches (host arrays, placed later) and their structure; ValueError(no_data) if no
         batch has been seen yet to take the shapes from."""
@@ -132,6 +137,10 @@ class EmptyBatches:
         return self._spec, [[np.empty((0,) + shape, dtype) for shape, dtype in self._leaves] for _ in range(count)]
 
 
-def assemble(spec: Any, per_replica: list[list[Any]]) -> Any:
-    """One structure whose leaves are PerReplica values, from each replica's list of leaves."""
+def assemble(spec: Any, per_replica: list[list[Any]], wrap: bool = True) -> Any:
+    """One structure whose leaves are PerReplica values, from each replica's list of leaves; unless `wrap` is
+    False (one replica in one process), the replica's own structure of arrays, as TensorFlow gives it."""
+    if not wrap:
+        (leaves,) = per_replica
+        return unflatten(spec, leaves)
     return unflatten(spec, [PerReplica._wrap(tuple(column)) for column in zip(*per_replica)])

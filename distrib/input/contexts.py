@@ -70,5 +70,10 @@ class InputWorkers:
         return len(self.devices) * self.num_workers if self.all_replicas is None else self.all_replicas
 
     @property
+    def wraps_values(self) -> bool:
+        """Whether steps come as PerReplica values: TensorFlow yields one replica's batch in one process as is."""
+        return self.num_workers > 1 or len(self.devices) > 1
+
+    @property
     def first_local_replica(self) -> int:
         return self.worker_index * len(self.devices) if self.first_replica is None else self.first_replica

@@ -9,6 +9,7 @@ each replica takes one element per step from the pipeline `dataset_fn` built. Bo
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -40,7 +41,8 @@ class Optional:
 
 
 class DistributedIterator:
-    """Yields one structure of PerReplica values per step; `get_next_as_optional` for the last partial step."""
+    """Yields one structure of PerReplica values per step (plain arrays with one replica in one process, as in
+    TensorFlow); `get_next_as_optional` for the last partial step."""
 
     def __init__(self, produce: Callable[[], Any], options: InputOptions, element_spec: Callable[[], Any],
                  pace: dict, finish: Callable[[Any], Any] | None = None):
@@ -77,7 +79,8 @@ class DistributedIterator:
 
 
 class _DatasetBase:
-    """Re-iterable per epoch; one-shot iterables (generator objects) refuse a second epoch instead of yielding none."""
+    """Re-iterable per epoch; one-shot iterators (generator objects) refuse a second epoch instead of yielding none;
+    an iterator whose class writes its own `__iter__` is trusted to start over there."""
 
     def __init__(self, workers: InputWorkers, options: InputOptions | None):
         if options is None:
@@ -104,29 +107,56 @@ class _DatasetBase:
 
 
 NO_DATA = object()  # produced once this worker's data has run out
-SHARD_EMPTY = ("This worker's shard of the dataset is empty while other workers have data; shard the dataset so "
-               "that every worker has some.")
-RAN_OUT = ("This worker's pipelines produced no element while other workers still have data; shard the data so "
-           "that every worker has some.")
+SHARD_EMPTY = ("A worker's shard of the dataset is empty while other workers have data: its replicas' empty batches "
+               "would need the structure of an element it never saw. Shard the dataset so that every worker gets at "
+               "least one batch.")
+RAN_OUT = ("A worker's pipelines produced no element while other workers have data: its replicas' empty batches "
+           "would need the structure of an element it never saw. Shard the data so that every worker's pipeline "
+           "has at least one element.")
 
 
-def step_or_end(workers: InputWorkers, options: InputOptions,
-                empty_batches: Callable[[], tuple]) -> Callable[[Any], Any]:
-    """What the consumer makes of a produced step: the end once no worker has data, else the step, or empty batches
-    for this worker's replicas while others still have data.
+def step_or_end(workers: InputWorkers, options: InputOptions, empty: EmptyBatches, count: int,
+                no_data: str) -> Callable[[Any], Any]:
+    """What the consumer makes of a produced step: the end once no worker has data, else the step, or `count`
+    empty batches for this worker's replicas while others still have data.
 
     The end-of-input check across workers runs here, once per step asked for, not where steps are produced (a
     thread may produce ahead): every worker then makes the same checks, also for an iterator left before its end.
+    Until every worker has seen an element, a second check asks whether one has not: a worker without data from
+    the start cannot shape empty batches, and every worker raises `no_data` at that step, not that one alone
+    (the others would wait for it in their next collective).
     """
+    settled = [workers.num_workers == 1]  # every worker knows the element's structure
+
     def finish(step: Any) -> Any:
         if not workers.any_worker_has_data(step is not NO_DATA):
             raise StopIteration
+        if not settled[0]:
+            mine = step is NO_DATA and not empty.known
+            if workers.any_worker_has_data(mine):
+                where = f"this worker (index {workers.worker_index} of {workers.num_workers})" if mine else \
+                    "another worker"
+                raise ValueError(f"{no_data} Received: no element on {where} before its first step.")
+            settled[0] = True
         if step is not NO_DATA:
             return step
-        spec, per_replica = empty_batches()
-        return assemble(spec, place(workers, options, per_replica))
+        spec, per_replica = empty.make(count, no_data)
+        return assemble(spec, place(workers, options, per_replica), workers.wraps_values)
 
     return finish
+
+
+# classes whose `__iter__`, written in Python, is the iterator protocol's identity and starts nothing over
+_IDENTITY_ITER_MODULES = frozenset({"_collections_abc", "collections.abc", "typing"})
+
+
+def _restarts_itself(source: Any) -> bool:
+    """Whether an iterator that is its own iterable may start over in `__iter__` (a loader that resets an index
+    there): its class writes `__iter__` itself. Generators, `iter(list)`, files and other built-in iterators (and
+    `collections.abc.Iterator`'s inherited `__iter__`) return themselves as they are: one-shot."""
+    owner = next((k for k in type(source).__mro__ if "__iter__" in vars(k)), None)
+    return owner is not None and inspect.isfunction(vars(owner)["__iter__"]) and \
+        owner.__module__ not in _IDENTITY_ITER_MODULES
 
 
 def _reiterable(source: Iterable, kind: str) -> Callable[[], Iterator]:
@@ -143,7 +173,7 @@ def _reiterable(source: Iterable, kind: str) -> Callable[[], Iterator]:
 
     def open_epoch() -> Iterator:
         iterator = iter(source)
-        if iterator is source and opened:
+        if iterator is source and opened and not _restarts_itself(source):
             raise ValueError(f"{kind} is a one-shot iterator (e.g. a generator object) that was already consumed; "
                              f"pass a re-iterable (a list, or an object whose __iter__ starts over) to iterate "
                              f"more than one epoch.")
@@ -195,10 +225,10 @@ class DistributedDataset(_DatasetBase):
             self._record_spec(spec, arrays)
             empty.remember(spec, arrays)
             per_replica = [[a[start:stop] for a in arrays] for start, stop in bounds]
-            return assemble(spec, place(workers, options, per_replica))
+            return assemble(spec, place(workers, options, per_replica), workers.wraps_values)
 
         return DistributedIterator(produce, options, self._element_spec, self._pace, step_or_end(
-            workers, options, lambda: empty.make(local, SHARD_EMPTY)))
+            workers, options, empty, local, SHARD_EMPTY))
 
     def __repr__(self) -> str:
         return f"<DistributedDataset replicas={self._workers.num_replicas_in_sync}>"
@@ -254,10 +284,10 @@ class DistributedDatasetsFromFunction(_DatasetBase):
                 spec, blanks = empty.make(per_replica.count(None), RAN_OUT)
                 blanks = iter(blanks)
                 per_replica = [arrays if arrays is not None else next(blanks) for arrays in per_replica]
-            return assemble(spec, place(workers, options, per_replica))
+            return assemble(spec, place(workers, options, per_replica), workers.wraps_values)
 
         return DistributedIterator(produce, options, self._element_spec, self._pace,
-                                   step_or_end(workers, options, lambda: empty.make(local, RAN_OUT)))
+                                   step_or_end(workers, options, empty, local, RAN_OUT))
 
     def __repr__(self) -> str:
         return f"<DistributedDatasetsFromFunction replicas={self._workers.num_replicas_in_sync}>"

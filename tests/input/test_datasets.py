@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import gc
 import itertools
 import threading
@@ -106,6 +107,28 @@ def test_one_replica_gets_every_global_batch_whole():
     np.testing.assert_array_equal(epoch[1][0], [3, 4])
 
 
+@pytest.mark.parametrize("make", [distrib.get_strategy, lambda: distrib.MirroredStrategy(["CPU:0"])],
+                         ids=["default", "mirrored-one-device"])
+@pytest.mark.parametrize("from_function", [False, True])
+def test_one_replica_in_one_process_gets_plain_arrays_that_run_and_local_results_take(make, from_function):
+    # TensorFlow wraps steps in PerReplica only with several devices or workers (input_lib's _always_wrap)
+    strategy, data = make(), {"x": np.arange(4, dtype=np.float32)}
+    dist = strategy.distribute_datasets_from_function(lambda ctx: [data]) if from_function else \
+        strategy.experimental_distribute_dataset([data])
+    (batch,) = list(dist)
+    assert type(batch) is dict and type(batch["x"]) is np.ndarray
+    np.testing.assert_array_equal(batch["x"] * 2, [0, 2, 4, 6])
+    np.testing.assert_array_equal(strategy.run(lambda b: b["x"] + 1, args=(batch,)), [1, 2, 3, 4])
+    np.testing.assert_array_equal(strategy.experimental_local_results(batch)[0]["x"], data["x"])
+    assert float(strategy.reduce("SUM", batch["x"], axis=0)) == 6.0
+
+
+def test_two_workers_of_one_replica_each_still_get_per_replica_values():
+    one = InputWorkers(get_backend("cpu"), ("CPU:0",), num_workers=2, worker_index=0)
+    (batch,) = list(DistributedDataset([np.arange(4)], one))
+    assert isinstance(batch, PerReplica)
+
+
 # -- nested structures -----------------------------------------------------------------------------------------
 
 
@@ -179,6 +202,41 @@ def test_an_object_whose_iter_starts_over_gives_the_same_data_every_epoch(strate
 
 def test_a_generator_object_works_for_one_epoch_and_refuses_a_second(strategy):
     dist = strategy.experimental_distribute_dataset(np.arange(i, i + 4) for i in range(0, 8, 4))
+    assert len(list(dist)) == 2
+    with pytest.raises(ValueError, match="The dataset is a one-shot iterator"):
+        iter(dist)
+
+
+class RestartingLoader:
+    """A hand-written loader that is its own iterator and starts over in __iter__."""
+
+    def __init__(self, data, size):
+        self.data, self.size, self.start = data, size, 0
+
+    def __iter__(self):
+        self.start = 0
+        return self
+
+    def __next__(self):
+        if self.start >= len(self.data):
+            raise StopIteration
+        self.start += self.size
+        return self.data[self.start - self.size:self.start]
+
+
+def test_a_loader_that_returns_itself_and_starts_over_in_iter_gives_every_epoch(strategy):
+    dist = strategy.experimental_distribute_dataset(RestartingLoader(np.arange(8), 4))
+    epochs = [[np.concatenate(strategy.experimental_local_results(b)).tolist() for b in dist] for _ in range(2)]
+    assert epochs == [[[0, 1, 2, 3], [4, 5, 6, 7]]] * 2
+
+
+@pytest.mark.parametrize("one_shot", [
+    lambda batches: iter(batches), lambda batches: map(np.asarray, batches),
+    lambda batches: type("Batches", (collections.abc.Iterator,), {"__next__": lambda self: next(self.rest),
+                                                                    "rest": iter(batches)})()],
+    ids=["list-iterator", "map", "abc-iterator"])
+def test_built_in_and_inherited_one_shot_iterators_refuse_a_second_epoch(strategy, one_shot):
+    dist = strategy.experimental_distribute_dataset(one_shot([np.arange(4), np.arange(4, 8)]))
     assert len(list(dist)) == 2
     with pytest.raises(ValueError, match="The dataset is a one-shot iterator"):
         iter(dist)
@@ -569,28 +627,52 @@ def test_a_single_worker_ignores_the_shard_method():
                                                                                  [[1, 1], [1, 1]]]
 
 
+def other_worker(*votes):
+    """`any_worker_has_data` beside another worker that casts `votes` in order: whether it has data at each step,
+    and after the first step's, whether it has seen no element yet."""
+    theirs = iter(votes)
+    return lambda local: next(theirs) or local
+
+
 def test_a_worker_out_of_data_gets_empty_batches_until_every_worker_is_out():
     files = [np.full((4, 3), i, np.float32) for i in range(3)]  # worker 0 reads files 0 and 2, worker 1 file 1
-    worker_0_has_data = iter([True, True, False])
     dataset = DistributedDataset(ShardableBatches(files),
-                                 workers(1, any_worker_has_data=lambda local: next(worker_0_has_data) or local))
+                                 workers(1, any_worker_has_data=other_worker(True, False, True, False)))
     epoch = [[x.shape for x in batch.values] for batch in dataset]
     assert epoch == [[(2, 3), (2, 3)], [(0, 3), (0, 3)]]
 
 
 def test_a_pipeline_out_of_data_gets_empty_batches_until_every_worker_is_out():
-    other_worker = iter([True, True, False])
     mine = [np.ones((2, 3), np.float32)] * 2
     dataset = DistributedDatasetsFromFunction(
-        lambda ctx: mine, workers(0, any_worker_has_data=lambda local: next(other_worker) or local))
+        lambda ctx: mine, workers(0, any_worker_has_data=other_worker(True, False, True, False)))
     epoch = [[x.shape for x in batch.values] for batch in dataset]
     assert epoch == [[(2, 3), (2, 3)], [(0, 3), (0, 3)]]
 
 
-def test_a_worker_that_never_had_data_while_others_do_is_told_to_reshard():
-    dataset = DistributedDataset([], workers(0, any_worker_has_data=lambda local: True))
-    with pytest.raises(ValueError, match="This worker's shard of the dataset is empty while other workers have data"):
-        next(iter(dataset))
+@pytest.mark.parametrize("from_function", [False, True])
+def test_a_worker_with_no_element_from_the_start_and_the_others_all_raise_at_the_first_step(from_function):
+    # without an element, that worker cannot shape empty batches; raising alone, it left the others waiting for it
+    # in their next collective
+    def dataset(batches, worker):
+        return DistributedDatasetsFromFunction(lambda ctx: batches, worker) if from_function else \
+            DistributedDataset(batches, worker)
+
+    start = "A worker's pipelines produced no element" if from_function else "A worker's shard of the dataset is empty"
+    empty = dataset([], workers(1, any_worker_has_data=other_worker(True, False)))
+    with pytest.raises(ValueError, match=f"^{start}.*Received: no element on this worker \\(index 1 of 2\\)"):
+        next(iter(empty))
+    full = dataset([np.zeros(4)], workers(0, any_worker_has_data=other_worker(False, True)))
+    with pytest.raises(ValueError, match=f"^{start}.*Received: no element on another worker before its first step"):
+        next(iter(full))
+
+
+def test_only_the_first_step_asks_whether_a_worker_has_seen_no_element():
+    votes = []
+    dataset = DistributedDataset([np.zeros(4)] * 3, workers(0, any_worker_has_data=lambda local: votes.append(local)
+                                                            or local))
+    assert len(list(dataset)) == 3
+    assert votes == [True, False, True, True, False]  # data and "none seen" at the first step, then data only
 
 
 # -- context ---------------------------------------------------------------------------------------------------
@@ -637,7 +719,7 @@ def test_end_of_input_checks_follow_the_steps_taken_not_the_steps_produced_ahead
     while len(iterator._prefetcher._items) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)  # the thread has produced steps ahead
     assert len(iterator._prefetcher._items) >= 2
-    assert checks == [True] * 3
+    assert checks == [True, False, True, True]  # the first step also asks whether a worker has seen no element
     iterator.close()
 
 
