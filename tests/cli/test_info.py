@@ -18,8 +18,10 @@ NO_NVML = "import sys; sys.modules['pynvml'] = None; from distrib.cli import mai
 
 def info(*flags, program=None, env=None, status=0):
     command = [sys.executable, "-c", program] if program else [sys.executable, "-m", "distrib", "info", *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
-                            env=None if env is None else {**os.environ, **env})
+    # the caller's DISTRIB_* settings left out unless given: an exported DISTRIB_BACKEND=cpu names itself as the
+    # reason where the tests expect detection's
+    inherited = {k: v for k, v in os.environ.items() if k not in ("DISTRIB_BACKEND", "DISTRIB_CPU_REPLICAS")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**inherited, **(env or {})})
     assert result.returncode == status, result.stderr
     return result.stdout
 
