@@ -328,6 +328,13 @@ class _DefaultStrategy(Strategy):
     def scope(self):
         return contextlib.nullcontext(self)
 
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """`value_fn(ValueContext())` as it is: no distribution, as TensorFlow's default strategy does."""
+        if not callable(value_fn):
+            raise TypeError(f"value_fn must be callable. Received: {type(value_fn).__name__}.")
+        self._extended._require_cross_replica("experimental_distribute_values_from_function")
+        return value_fn(ValueContext())
+
     def __repr__(self) -> str:
         return "<DefaultStrategy>"
 

@@ -302,7 +302,12 @@ def test_the_default_strategy_reduces_and_gathers_one_replica():
     np.testing.assert_array_equal(default.reduce("MEAN", np.arange(4.0), axis=0), 1.5)
     np.testing.assert_array_equal(default.gather(np.ones(2), axis=0), [1.0, 1.0])
     assert default.experimental_local_results("x") == ("x",)
-    assert default.experimental_distribute_values_from_function(lambda ctx: ctx.num_replicas_in_sync).values == (1,)
+    # TensorFlow's default strategy returns value_fn(ValueContext()) as it is (before, a PerReplica of one)
+    made = default.experimental_distribute_values_from_function(
+        lambda ctx: (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync))
+    assert made == (0, 1)
+    assert default.run(lambda x: x * 2, args=(default.experimental_distribute_values_from_function(lambda ctx: 3),)) \
+        == 6
 
 
 def test_the_default_replica_context_collectives_return_the_value():
