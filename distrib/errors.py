@@ -14,10 +14,11 @@
         ├── CheckpointError        (+ ValueError)    a checkpoint file is damaged, or does not match the objects
         ├── ParameterServerError   (+ RuntimeError)  a parameter server died or cannot be reached
         ├── WorkerError            (+ RuntimeError)  a closure's worker died every time it ran the closure
-        └── WorkerFailedError      (+ RuntimeError)  a rank of a multi-worker job died or the job is being ended
+        ├── WorkerFailedError      (+ RuntimeError)  a rank of a multi-worker job died or the job is being ended
+        └── OutOfRangeError        (no builtin)      a scheduled closure read past the end of its input
 
-Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class derives from the
-builtin a TensorFlow user would catch, so `except ValueError` keeps working.
+Wrong kinds of argument raise plain `TypeError`, wrong values plain `ValueError`. Every class but OutOfRangeError
+derives from the builtin a TensorFlow user would catch, so `except ValueError` keeps working.
 """
 
 from __future__ import annotations
@@ -135,3 +136,11 @@ class WorkerFailedError(DistribError, RuntimeError):
     def __init__(self, message: str, *, ranks: tuple[int, ...] = ()):
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class OutOfRangeError(DistribError):
+    """A scheduled closure called `next()` on an exhausted iterator (TensorFlow's `tf.errors.OutOfRangeError`).
+
+    Not a StopIteration: one raised by `fetch()` inside `map()`, or any `__next__`, would silently end that
+    iteration instead of reaching the caller.
+    """

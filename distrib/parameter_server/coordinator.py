@@ -11,8 +11,9 @@ from typing import Any, Callable
 import optree
 
 from distrib.errors import ContextError
+from distrib.parameter_server.closures import function_name, pack
 from distrib.parameter_server.dispatch import Closure, ClosureQueue
-from distrib.parameter_server.worker import PerWorkerDataset, run_in_scope
+from distrib.parameter_server.worker import PerWorkerDataset
 
 
 
@@ -125,7 +126,12 @@ class ClusterCoordinator:
     def schedule(self, fn: Callable, args: Any = None, kwargs: Any = None) -> RemoteValue:
         """Queues `fn(*args, **kwargs)` for the first free worker; returns its `RemoteValue` at once.
 
-        Per-worker values in `args`/`kwargs` (from `create_per_worker_dataset`) become the running worker's.
+        Per-worker values in `args`/`kwargs` (from `create_per_worker_dataset`) become the running worker's; a
+        `RemoteValue` becomes its result (TensorFlow resolves it on the worker), so the closure waits for it.
+
+        Raises:
+          TypeError: fn or its arguments cannot travel to a worker (not picklable), such as a variable created
+            outside `strategy.scope()`; the message names the object.
         """
         if not callable(fn):
             raise TypeError(f"schedule needs a callable fn. Received: {type(fn).__name__}.")
@@ -133,8 +139,15 @@ class ClusterCoordinator:
             raise TypeError(f"args must be a tuple or list. Received: {type(args).__name__}.")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(f"kwargs must be a dict. Received: {type(kwargs).__name__}.")
-        closure = Closure(next(self._ids), functools.partial(run_in_scope, self._worker_strategy, fn),
-                          tuple(args or ()), dict(kwargs or {}), RemoteValue)
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        make_payload = functools.partial(_pack, self._worker_strategy, fn, args, kwargs)
+        inputs = [leaf for leaf in optree.tree_leaves((args, kwargs), none_is_leaf=True)
+                  if isinstance(leaf, RemoteValue)]
+        ready = all(value._done.is_set() and value._error is None for value in inputs)
+        # Pickled now when it can be, so what cannot travel fails here; a closure waiting for other closures'
+        # results is pickled by its dispatcher, once they are done (their errors are then its own).
+        closure = Closure(next(self._ids), function_name(fn), make_payload() if ready else make_payload,
+                          RemoteValue)
         self._queue.put(closure)
         return closure.result
 
@@ -167,3 +180,10 @@ class ClusterCoordinator:
 
     def __repr__(self) -> str:
         return f"<ClusterCoordinator workers={self._queue.num_workers} unfinished={self._queue.unfinished}>"
+
+
+def _pack(scope: Callable[[], Any], fn: Callable, args: tuple, kwargs: dict) -> bytes:
+    """The closure pickled, each RemoteValue in its arguments replaced by its result (raising its error)."""
+    args, kwargs = optree.tree_map(lambda leaf: leaf.fetch() if isinstance(leaf, RemoteValue) else leaf,
+                                   (args, kwargs), none_is_leaf=True)
+    return pack(scope, fn, args, kwargs)

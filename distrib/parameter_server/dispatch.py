@@ -16,12 +16,25 @@ BACK_SECONDS = 120.0  # how long a dispatcher waits for Ray to restart its dead 
 
 
 class Closure:
-    """A scheduled call: `fn(*args, **kwargs)`, its result holder, and how many times a worker began it."""
+    """A scheduled call, its result holder, and how many times a worker began it.
 
-    def __init__(self, closure_id: int, fn: Callable, args: tuple, kwargs: dict, result_type: type):
-        self.id, self.fn, self.args, self.kwargs = closure_id, fn, args, kwargs
+    Args:
+      closure_id: its number, in scheduling order.
+      name: the scheduled function's name, for messages.
+      payload: the call pickled (closures.pack), or a function making it when the dispatcher takes the closure
+        (it waits for the RemoteValues among the arguments).
+      result_type: the class of its result holder (RemoteValue).
+    """
+
+    def __init__(self, closure_id: int, name: str, payload: bytes | Callable[[], bytes], result_type: type):
+        self.id, self.name, self._payload = closure_id, name, payload
         self.result = result_type(closure_id)
         self.attempts = 0
+
+    def payload(self) -> bytes:
+        if callable(self._payload):
+            self._payload = self._payload()  # once: a re-run sends the same bytes
+        return self._payload
 
 
 class ClosureQueue:
@@ -89,8 +102,12 @@ class ClosureQueue:
                 return
             closure.attempts += 1
             try:
-                status, value = ray_runtime.get(self._workers[index].run.remote(closure.id, closure.fn,
-                                                                                closure.args, closure.kwargs))
+                payload = closure.payload()
+            except Exception as exc:  # noqa: BLE001 - an argument's closure failed, or fn cannot be pickled
+                self._finish(closure, None, exc)
+                continue
+            try:
+                status, value = ray_runtime.get(self._workers[index].run.remote(closure.id, closure.name, payload))
             except died as exc:  # the worker's process died mid-closure: Ray restarts it; the closure runs again
                 if closure.attempts < MAX_ATTEMPTS:
                     with self._lock:  # another worker may take it meanwhile
@@ -101,9 +118,9 @@ class ClosureQueue:
                 status, value = "error", WorkerError(
                     f"A scheduled closure's worker died each of the {closure.attempts} times it ran it (a crash, "
                     f"out of memory, or a kill, not an exception). Received: closure {closure.id}, "
-                    f"{getattr(closure.fn, '__name__', closure.fn)!r}; last: {type(exc).__name__}.")
+                    f"{closure.name!r}; last: {type(exc).__name__}.")
                 self._wait_until_back(index, died)
-            except Exception as exc:  # noqa: BLE001 - e.g. a closure that cannot be pickled
+            except Exception as exc:  # noqa: BLE001 - Ray failed the call itself
                 status, value = "error", exc
             self._finish(closure, value if status == "ok" else None, value if status == "error" else None)
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 import optree
 
-from distrib.variables import Variable
+from distrib.variables import Variable, scatter_rows
 
 # A write made by a scheduled closure carries a tag (see write_tags.py). A closure that runs again after its worker
 # died makes the same writes with the same tags; the server applies each tag once.
@@ -43,17 +43,37 @@ class ParameterServer:
             getattr(self._variables[key], method)(value)
 
     def scatter(self, key: int, method: str, rows: np.ndarray, updates: np.ndarray, tag: Tag) -> None:
-        """Row updates: "add"/"sub" accumulate repeated rows, "update" keeps the last value given for a row."""
+        """Row updates `method` ("scatter_add", ...), as distrib.Variable's; the handle checked the operands and cast
+        `updates` to the variable's dtype."""
         if not self._claim(tag):
             return
-        scatter_rows(self._variables[key]._writable(), method, rows, updates)  # in place unless a read view lives
+        scatter_rows(np, self._variables[key]._writable(), method, rows, updates)  # in place unless a view lives
 
     def call(self, fn: Callable, args: tuple, kwargs: dict, tag: Tag) -> Any:
         """Runs `fn(*args, **kwargs)` here, each of this server's variable handles in them swapped for the variable."""
         if not self._claim(tag):
             return None
         args, kwargs = optree.tree_map(self._local, (tuple(args), dict(kwargs)), none_is_leaf=True)
-        return fn(*args, **kwargs)
+        return self._returnable(fn, fn(*args, **kwargs))
+
+    def _returnable(self, fn: Callable, result: Any) -> Any:
+        """`result` ready to travel back: this server's variables in it become `ServerVariable(key)` (the caller
+        swaps the handle back in: `update(v, lambda x: x.assign(...))` returns the variable, as in TensorFlow).
+        Anything else that cannot be pickled raises a TypeError here, naming it, instead of a raw pickling error
+        from Ray; fn's writes stand then, as they would had fn raised after them."""
+        keys = {id(variable): key for key, variable in self._variables.items()}
+        result = optree.tree_map(lambda leaf: ServerVariable(keys[id(leaf)]) if id(leaf) in keys else leaf, result,
+                                 none_is_leaf=True)
+        from ray import cloudpickle  # a server is a Ray actor: Ray is there
+
+        try:
+            cloudpickle.dumps(result)
+        except Exception as exc:  # noqa: BLE001 - pickling fails in many types
+            name = getattr(fn, "__name__", type(fn).__name__)
+            raise TypeError(f"A function run on parameter server {self.index} returned a value that cannot travel "
+                            f"back (its writes were applied): return arrays, numbers, None, or the variable it was "
+                            f"given. Received: {type(result).__name__} from {name!r} ({exc}).") from None
+        return result
 
     def forget(self, closure_ids: list[int]) -> None:
         """Drops the tags of closures that finished: they never run again."""
@@ -85,12 +105,8 @@ class ParameterServer:
         return leaf
 
 
-def scatter_rows(buffer: np.ndarray, method: str, rows: np.ndarray, updates: Any) -> None:
-    """Writes `updates` into `buffer`'s `rows` in place: "add"/"sub" accumulate repeated rows, "update" sets."""
-    updates = np.asarray(updates).astype(buffer.dtype, casting="same_kind", copy=False)
-    if method == "update":
-        buffer[rows] = updates
-    elif method == "add":
-        np.add.at(buffer, rows, updates)
-    else:
-        np.subtract.at(buffer, rows, updates)
+class ServerVariable:
+    """A variable of the server in a function's result, by key: the caller holds its handle."""
+
+    def __init__(self, key: int):
+        self.key = key

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from distrib.backends.cpu import to_numpy
 from distrib.parameter_server.partitioners import locate_rows
-from distrib.parameter_server.server import scatter_rows
-from distrib.parameter_server.variable import ParameterServerVariable, _check_operand, _check_rows
-from distrib.variables import Variable, _ArrayOperators, sparse_rows
+from distrib.parameter_server.variable import ParameterServerVariable, RowUpdates, _check_operand, _check_rows
+from distrib.variables import Variable, _ArrayOperators, scatter_rows
 
 
 class _Done:
@@ -31,24 +30,57 @@ def _start(shard: Any, method: str, *args: Any) -> Any:
         if method == "read_rows":
             return shard._start("read_rows", *args)
         if method.startswith("scatter_"):
-            return shard._start_scatter(method[len("scatter_"):], *args)
+            return shard._start_scatter(method, *args)
         return shard._start_write(method, *args)
     if method == "read":
         return _Done(shard.read_value())
     if method == "read_rows":
         return _Done(shard.read_value()[args[0]])
     if method.startswith("scatter_"):
-        scatter_rows(shard._writable(), method[len("scatter_"):], *args)
+        scatter_rows(np, shard._writable(), method, *args)
         return _Done()
     getattr(shard, method)(*args)
     return _Done()
 
 
-def _results(pending: Sequence[Any]) -> list:
-    return [p.result() for p in pending]
+def _results(started: Iterable[Any]) -> list:
+    """The results of the calls `started` makes, awaited all even when one fails (or fails to start); then the
+    first error is raised. A call left unawaited would print Ray's "Unhandled error" later, and the caller would
+    hear of a failure while other shards' writes were still landing."""
+    pending, results, error = [], [], None
+    try:
+        for call in started:
+            pending.append(call)
+    except Exception as exc:  # noqa: BLE001 - raised below, once the calls already sent are done
+        error = exc
+    for call in pending:
+        try:
+            results.append(call.result())
+        except Exception as exc:  # noqa: BLE001
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
 
 
-class ShardedVariable(_ArrayOperators):
+def lookup_rows(variable: Any, shards: Sequence[Any], offsets: Sequence[int], ids: Any) -> np.ndarray:
+    """`variable.embedding_lookup(ids)` over its `shards` starting at rows `offsets` (one for an unsharded one):
+    the ids are checked before anything is read, then each shard is asked for its rows, all at once."""
+    if not variable.shape:
+        raise ValueError(f"embedding_lookup needs a variable of rank 1 or more: ids select rows along axis 0. "
+                         f"Received: variable {variable.name!r} of shape ().")
+    ids = to_numpy(ids)
+    flat = ids.reshape(-1)
+    shard, local = locate_rows(flat, offsets)
+    row_shape = tuple(variable.shape[1:])
+    out = np.empty((flat.size,) + row_shape, variable.dtype)
+    touched = np.unique(shard)
+    for p, rows in zip(touched, _results(_start(shards[p], "read_rows", local[shard == p]) for p in touched)):
+        out[shard == p] = rows
+    return out.reshape(ids.shape + row_shape)
+
+
+class ShardedVariable(RowUpdates, _ArrayOperators):
     """A variable split along its first axis into shards; `ParameterServerStrategy` builds one per partitioned variable.
 
     The shards share the dtype and every dimension but the first; the variable's shape is the sum of their
@@ -126,7 +158,7 @@ class ShardedVariable(_ArrayOperators):
 
     def read_value(self) -> np.ndarray:
         """The full value: the shards concatenated along axis 0."""
-        return np.concatenate(_results([_start(s, "read") for s in self._variables]), axis=0)
+        return np.concatenate(_results(_start(s, "read") for s in self._variables), axis=0)
 
     def value(self) -> np.ndarray:
         return self.read_value()
@@ -148,53 +180,25 @@ class ShardedVariable(_ArrayOperators):
 
     def _write_whole(self, method: str, value: Any) -> "ShardedVariable":
         operand = to_numpy(value.read_value() if hasattr(value, "read_value") else value)
-        _check_operand(self, method, operand)
+        _check_operand(self, method, operand)  # all or nothing: no shard is written when one would refuse
         operand = np.broadcast_to(operand, self.shape)
-        _results([_start(s, method, operand[a:b]) for s, a, b in zip(self._variables, self._offsets,
-                                                                      self._offsets[1:])])
+        _results(_start(s, method, operand[a:b]) for s, a, b in zip(self._variables, self._offsets, self._offsets[1:]))
         return self
 
     # -- rows -------------------------------------------------------------------------------------------
 
     def embedding_lookup(self, ids: Any) -> np.ndarray:
         """The rows `ids` (any shape) as an array of shape `ids.shape + shape[1:]`; only those rows travel."""
-        ids = to_numpy(ids)
-        flat = ids.reshape(-1)
-        shard, local = locate_rows(flat, self._offsets)
-        out = np.empty((flat.size,) + self.shape[1:], self.dtype)
-        touched = np.unique(shard)
-        pending = [_start(self._variables[p], "read_rows", local[shard == p]) for p in touched]
-        for p, rows in zip(touched, _results(pending)):
-            out[shard == p] = rows
-        return out.reshape(ids.shape + self.shape[1:])
+        return lookup_rows(self, self._variables, self._offsets, ids)
 
     def sparse_read(self, indices: Any) -> np.ndarray:
         """The rows `indices`: the same as `embedding_lookup`."""
         return self.embedding_lookup(indices)
 
-    def scatter_add(self, sparse_delta: Any, updates: Any = None):
-        """Adds `updates[i]` to row `indices[i]` (repeated rows accumulate), given as an IndexedSlices (TensorFlow's
-        `sparse_delta`) or as `indices, updates`; returns the variable."""
-        indices, updates = sparse_rows("scatter_add", sparse_delta, updates)
-        return self._scatter("scatter_add", indices, updates)
-
-    def scatter_sub(self, sparse_delta: Any, updates: Any = None):
-        """Subtracts `updates[i]` from row `indices[i]` (repeated rows accumulate), given as `scatter_add`'s;
-        returns the variable."""
-        indices, updates = sparse_rows("scatter_sub", sparse_delta, updates)
-        return self._scatter("scatter_sub", indices, updates)
-
-    def scatter_update(self, sparse_delta: Any, updates: Any = None):
-        """Sets row `indices[i]` to `updates[i]` (the last one wins for a repeated row), given as `scatter_add`'s;
-        returns the variable."""
-        indices, updates = sparse_rows("scatter_update", sparse_delta, updates)
-        return self._scatter("scatter_update", indices, updates)
-
     def _scatter(self, method: str, indices: Any, updates: Any) -> "ShardedVariable":
         indices, updates = to_numpy(indices), to_numpy(updates)
-        _check_rows(self, method, indices, updates, self.shape[0])
+        updates = _check_rows(self, method, indices, updates, self.shape[0])  # all or nothing, as _write_whole
         flat, rows = indices.reshape(-1), updates.reshape((-1,) + self.shape[1:])
         shard, local = locate_rows(flat, self._offsets)
-        pending = [_start(self._variables[p], method, local[shard == p], rows[shard == p]) for p in np.unique(shard)]
-        _results(pending)
+        _results(_start(self._variables[p], method, local[shard == p], rows[shard == p]) for p in np.unique(shard))
         return self

@@ -8,6 +8,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import optree
 
 from distrib import context
 from distrib.backends import get_backend
@@ -19,6 +20,7 @@ from distrib.extended import StrategyExtended
 from distrib.options import CommunicationOptions, coerce_enum
 from distrib.parameter_server import optimizer_updates
 from distrib.parameter_server.partitioners import Partitioner, div_offsets
+from distrib.parameter_server.server import ServerVariable
 from distrib.parameter_server.sharded_variable import ShardedVariable
 from distrib.parameter_server.variable import ParameterServerVariable
 from distrib.replica_context import ReplicaContext
@@ -211,14 +213,21 @@ class ParameterServerExtended(StrategyExtended):
         """Runs `fn(var, *args, **kwargs)` on the parameter server that holds `var`; returns what fn returns.
 
         `fn` travels there by pickling and receives the variable itself; writes it makes are applied once
-        even when a closure runs again.
+        even when a closure runs again. A variable fn returns (`lambda x: x.assign(...)`, TensorFlow's idiom) comes
+        back as its handle, `var` for instance; any other result must pickle, or a TypeError names it (fn's writes
+        stand then, as when fn raises after writing).
         """
         if not callable(fn):
             raise TypeError(f"update needs a callable fn. Received: {type(fn).__name__}.")
         if not isinstance(var, ParameterServerVariable):
             raise TypeError(f"update runs fn where one variable lives: a variable of this strategy that is not "
                             f"sharded. Received: {var!r}; update each of a ShardedVariable's .variables instead.")
-        return optimizer_updates.call_on_server(var, fn, (var, *args), kwargs or {}, ("update", var._key)).result()
+        args, kwargs = (var, *args), kwargs or {}
+        result = optimizer_updates.call_on_server(var, fn, args, kwargs, ("update", var._key)).result()
+        handles = {leaf._key: leaf for leaf in optree.tree_leaves((args, kwargs), none_is_leaf=True)
+                   if isinstance(leaf, ParameterServerVariable)}
+        return optree.tree_map(lambda leaf: handles.get(leaf.key, leaf) if isinstance(leaf, ServerVariable) else leaf,
+                               result, none_is_leaf=True)
 
     # -- optimizers: their updates run on the servers ---------------------------------------------------
 

@@ -10,7 +10,8 @@ from distrib.backends.cpu import to_numpy
 from distrib.errors import ParameterServerError
 from distrib import ray_runtime
 from distrib.parameter_server.write_tags import next_tag
-from distrib.variables import VariableAggregation, VariableSynchronization, _ArrayOperators, sparse_rows
+from distrib.variables import (VariableAggregation, VariableSynchronization, _ArrayOperators, check_integers_fit,
+                               sparse_rows)
 
 
 class Pending:
@@ -33,7 +34,43 @@ def resolve(ref: Any, ps_index: int) -> Any:
                                    f"last checkpoint. Cause: {type(exc).__name__}.", ps_index=ps_index) from exc
 
 
-class ParameterServerVariable(_ArrayOperators):
+class RowUpdates:
+    """TensorFlow's `scatter_*` methods, given an IndexedSlices (TensorFlow's `sparse_delta`) or `indices, updates`;
+    each returns the variable. Shared by ParameterServerVariable and ShardedVariable, which define `_scatter`."""
+
+    def scatter_add(self, sparse_delta: Any, updates: Any = None):
+        """Adds `updates[i]` to row `indices[i]` (repeated rows accumulate)."""
+        return self._scatter("scatter_add", *sparse_rows("scatter_add", sparse_delta, updates))
+
+    def scatter_sub(self, sparse_delta: Any, updates: Any = None):
+        """Subtracts `updates[i]` from row `indices[i]` (repeated rows accumulate)."""
+        return self._scatter("scatter_sub", *sparse_rows("scatter_sub", sparse_delta, updates))
+
+    def scatter_mul(self, sparse_delta: Any, updates: Any = None):
+        """Multiplies row `indices[i]` by `updates[i]` (repeated rows accumulate)."""
+        return self._scatter("scatter_mul", *sparse_rows("scatter_mul", sparse_delta, updates))
+
+    def scatter_div(self, sparse_delta: Any, updates: Any = None):
+        """Divides row `indices[i]` by `updates[i]` (integers truncate toward zero, as in TensorFlow)."""
+        return self._scatter("scatter_div", *sparse_rows("scatter_div", sparse_delta, updates))
+
+    def scatter_min(self, sparse_delta: Any, updates: Any = None):
+        """Sets row `indices[i]` to the minimum of itself and `updates[i]`."""
+        return self._scatter("scatter_min", *sparse_rows("scatter_min", sparse_delta, updates))
+
+    def scatter_max(self, sparse_delta: Any, updates: Any = None):
+        """Sets row `indices[i]` to the maximum of itself and `updates[i]`."""
+        return self._scatter("scatter_max", *sparse_rows("scatter_max", sparse_delta, updates))
+
+    def scatter_update(self, sparse_delta: Any, updates: Any = None):
+        """Sets row `indices[i]` to `updates[i]` (the last one wins for a repeated row)."""
+        return self._scatter("scatter_update", *sparse_rows("scatter_update", sparse_delta, updates))
+
+    def _scatter(self, method: str, indices: Any, updates: Any) -> Any:
+        raise NotImplementedError
+
+
+class ParameterServerVariable(RowUpdates, _ArrayOperators):
     """A variable on one parameter server, what `distrib.Variable(...)` builds under a ParameterServerStrategy.
 
     Reads fetch the value from the server; writes send the operand there and wait until it is applied, so
@@ -106,9 +143,17 @@ class ParameterServerVariable(_ArrayOperators):
         """A writable host copy of the value."""
         return np.array(self.read_value())
 
+    def embedding_lookup(self, ids: Any) -> np.ndarray:
+        """The rows `ids` (any shape) as an array of shape `ids.shape + shape[1:]`; only those rows travel.
+
+        Checked as a ShardedVariable's (the same code): a table under the partitioner's minimum size stays whole."""
+        from distrib.parameter_server.sharded_variable import lookup_rows  # it builds on this module
+
+        return lookup_rows(self, [self], [0, self._shape[0] if self._shape else 0], ids)
+
     def sparse_read(self, indices: Any) -> np.ndarray:
-        """The rows `indices` (only those travel)."""
-        return self._start("read_rows", to_numpy(indices)).result()
+        """The rows `indices`: the same as `embedding_lookup`."""
+        return self.embedding_lookup(indices)
 
     # -- writing ----------------------------------------------------------------------------------------
 
@@ -124,23 +169,8 @@ class ParameterServerVariable(_ArrayOperators):
         """Subtracts `delta`; returns the variable."""
         return self._wait(self._start_write("assign_sub", delta))
 
-    def scatter_add(self, sparse_delta: Any, updates: Any = None):
-        """Adds `updates[i]` to row `indices[i]` (repeated rows accumulate), given as an IndexedSlices (TensorFlow's
-        `sparse_delta`) or as `indices, updates`; returns the variable."""
-        indices, updates = sparse_rows("scatter_add", sparse_delta, updates)
-        return self._wait(self._start_scatter("add", indices, updates))
-
-    def scatter_sub(self, sparse_delta: Any, updates: Any = None):
-        """Subtracts `updates[i]` from row `indices[i]` (repeated rows accumulate), given as `scatter_add`'s;
-        returns the variable."""
-        indices, updates = sparse_rows("scatter_sub", sparse_delta, updates)
-        return self._wait(self._start_scatter("sub", indices, updates))
-
-    def scatter_update(self, sparse_delta: Any, updates: Any = None):
-        """Sets row `indices[i]` to `updates[i]` (the last one wins for a repeated row), given as `scatter_add`'s;
-        returns the variable."""
-        indices, updates = sparse_rows("scatter_update", sparse_delta, updates)
-        return self._wait(self._start_scatter("update", indices, updates))
+    def _scatter(self, method: str, indices: Any, updates: Any) -> "ParameterServerVariable":
+        return self._wait(self._start_scatter(method, indices, updates))
 
     # -- calls, started here and awaited by the caller (ShardedVariable starts one per shard) -------------
 
@@ -159,7 +189,7 @@ class ParameterServerVariable(_ArrayOperators):
 
     def _start_scatter(self, method: str, indices: Any, updates: Any) -> Pending:
         indices, updates = to_numpy(indices), to_numpy(updates)
-        _check_rows(self, f"scatter_{method}", indices, updates, self._shape[0] if self._shape else 0)
+        updates = _check_rows(self, method, indices, updates, self._shape[0] if self._shape else 0)
         return self._start("scatter", method, indices, updates, next_tag(self._key))
 
     def _wait(self, pending: Pending) -> "ParameterServerVariable":
@@ -179,10 +209,17 @@ def _check_operand(variable: Any, method: str, operand: np.ndarray) -> None:
     if not np.can_cast(operand.dtype, variable.dtype, casting="same_kind"):
         raise TypeError(f"{method} cannot write dtype {operand.dtype} into variable {variable.name!r} of dtype "
                         f"{variable.dtype}.")
+    check_integers_fit(operand, variable.dtype, method, variable.name)  # the server's cast would wrap them
 
 
-def _check_rows(variable: Any, method: str, indices: np.ndarray, updates: np.ndarray, rows: int) -> None:
-    """Row ids are integers in [0, rows); `updates` holds one row (of the variable's row shape) per id."""
+def _check_rows(variable: Any, method: str, indices: np.ndarray, updates: np.ndarray, rows: int) -> np.ndarray:
+    """`updates` of the variable's dtype, once checked as distrib.Variable's scatters check theirs, before anything
+    travels: row ids are integers in [0, rows); `updates` holds one row (of the variable's row shape) per id."""
+    dtype = variable.dtype
+    if (method in ("scatter_min", "scatter_max") and dtype.kind == "c") or \
+            (method != "scatter_update" and dtype.kind == "b"):
+        raise TypeError(f"{method} needs a variable of real numbers (TensorFlow has no such kernel for {dtype}). "
+                        f"Received: variable {variable.name!r} of dtype {dtype}.")
     if indices.dtype.kind not in "iu":
         raise TypeError(f"{method} needs integer row ids. Received: dtype {indices.dtype} for {variable.name!r}.")
     if indices.size and (indices.min() < 0 or indices.max() >= rows):
@@ -195,3 +232,9 @@ def _check_rows(variable: Any, method: str, indices: np.ndarray, updates: np.nda
     if not np.can_cast(updates.dtype, variable.dtype, casting="same_kind"):
         raise TypeError(f"{method} cannot write dtype {updates.dtype} into variable {variable.name!r} of dtype "
                         f"{variable.dtype}.")
+    check_integers_fit(updates, variable.dtype, method, variable.name)  # the cast below would wrap them
+    updates = updates.astype(dtype, copy=False)
+    if method == "scatter_div" and dtype.kind in "iu" and updates.size and bool((updates == 0).any()):
+        raise ValueError(f"{method} cannot divide integers by zero (variable {variable.name!r}). Received: a zero "
+                         f"among the updates.")
+    return updates

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import optree
 
+from distrib.errors import OutOfRangeError
 from distrib.parameter_server.write_tags import closure_writes
 
 _ids = itertools.count()
@@ -68,14 +69,22 @@ class Worker:
         self.index = index
         self._values: dict[int, Any] = {}  # PerWorkerValues key -> this worker's value
 
-    def run(self, closure_id: int, fn: Callable, args: tuple, kwargs: dict) -> tuple[str, Any]:
-        """("ok", fn's result) or ("error", the exception fn raised)."""
+    def run(self, closure_id: int, name: str, payload: bytes) -> tuple[str, Any]:
+        """("ok", fn's result) or ("error", the exception fn raised), for `payload`: fn, args and kwargs pickled by
+        the coordinator (closures.pack); `name` is fn's, for messages."""
+        from ray import cloudpickle  # a worker is a Ray actor: Ray is there
+
         try:
+            fn, args, kwargs = cloudpickle.loads(payload)
             args, kwargs = optree.tree_map(self._resolve, (tuple(args), dict(kwargs)), none_is_leaf=True)
             with closure_writes(closure_id):
                 return "ok", fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - every error of user code goes back to the coordinator
-            return "error", _picklable(exc)
+        except StopIteration:  # TensorFlow's OutOfRangeError: a bare StopIteration would end the caller's loops
+            return "error", OutOfRangeError(f"Scheduled function {name!r} ran out of input: next() on an exhausted "
+                                            f"iterator (a per-worker dataset's end) raised StopIteration. Received: "
+                                            f"closure {closure_id}.")
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every error of user code goes back (Ray would
+            return "error", _picklable(exc)  # report a KeyboardInterrupt as its own TaskCancelledError)
 
     def pid(self) -> int:
         return os.getpid()
@@ -96,16 +105,37 @@ def run_in_scope(make_strategy: Callable[[], Any], fn: Callable, *args: Any, **k
         return fn(*args, **kwargs)
 
 
-def _picklable(exc: Exception) -> Exception:
-    """`exc` itself when it survives pickling, else a RuntimeError carrying its type and message.
+def _picklable(exc: BaseException) -> Any:
+    """`exc` itself when it survives pickling, else its class rebuilt without calling `__init__` (an exception whose
+    `__init__` takes other arguments than its `args`), else a RuntimeError carrying its type and message.
 
     Pickled as Ray pickles the result, by cloudpickle: a class defined in the program's `__main__` (shipped to this
     worker by value, with the closure) survives too, and the coordinator gets its own class back, so its `except`
     catches it; plain pickle could not find that class by name here."""
     from ray import cloudpickle  # a worker is a Ray actor: Ray is there
 
-    try:
-        cloudpickle.loads(cloudpickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    for candidate in (exc, _Rebuilt(exc)):
+        try:
+            if isinstance(cloudpickle.loads(cloudpickle.dumps(candidate)), type(exc)):
+                return candidate
+        except Exception:  # noqa: BLE001
+            pass
+    return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class _Rebuilt:
+    """Pickles as its exception's class, `args` and attributes, and unpickles as that exception, rebuilt with
+    `__new__`: pickle's default calls `cls(*args)`, which fails for `BadErr(message, code)` storing only message."""
+
+    def __init__(self, exc: BaseException):
+        self._exc = exc
+
+    def __reduce__(self):
+        return _rebuild, (type(self._exc), self._exc.args, dict(vars(self._exc)))
+
+
+def _rebuild(cls: type, args: tuple, attributes: dict) -> BaseException:
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    vars(exc).update(attributes)
+    return exc

@@ -14,7 +14,7 @@ import pytest
 import distrib
 from distrib.cluster_resolver import RayClusterResolver
 from distrib.coordinator import ClusterCoordinator
-from distrib.errors import ParameterServerError, WorkerError
+from distrib.errors import OutOfRangeError, ParameterServerError, WorkerError
 from distrib.parameter_server import dispatch
 from distrib.experimental.partitioners import FixedShardsPartitioner
 
@@ -124,6 +124,82 @@ def test_per_worker_datasets_give_each_worker_its_own_iterator(coordinator):
     assert all(sorted(items) == list(range(len(items))) for items in by_worker.values())  # each from its own start
 
 
+def test_an_exhausted_iterator_raises_out_of_range_not_stop_iteration(coordinator):
+    # before: a bare StopIteration came back, which ends a map() over fetch silently
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: range(5)))  # 5 elements on each of 2 workers
+
+    def take(it):
+        return next(it)
+
+    results = [coordinator.schedule(take, args=(iterator,)) for _ in range(12)]
+    with pytest.raises(OutOfRangeError, match="^Scheduled function 'take' ran out of input"):
+        coordinator.join()
+    with pytest.raises(OutOfRangeError):
+        list(map(lambda r: r.fetch(), results))
+    assert sorted(r.fetch() for r in results if r._error is None) == sorted(list(range(5)) * 2)
+
+
+def test_remote_values_in_arguments_become_their_results(coordinator):
+    # before: a RemoteValue could not be pickled, and the closure failed with Ray's serialization dump
+    ready = coordinator.schedule(lambda: 41)
+    ready.fetch()
+    slow = coordinator.schedule(lambda: (time.sleep(0.2), {"x": 1})[1])
+    failed = coordinator.schedule(lambda: 1 / 0)
+    results = [coordinator.schedule(lambda a, b=None: (a, b), args=(ready,), kwargs={"b": [slow]}),
+               coordinator.schedule(lambda a: a, args=(failed,))]
+    with pytest.raises(ZeroDivisionError):
+        coordinator.join()
+    assert results[0].fetch() == (41, [{"x": 1}])
+    with pytest.raises(ZeroDivisionError):  # an input's error is the closure's own
+        results[1].fetch()
+
+
+outside = distrib.Variable(np.zeros(2), name="outside")  # created outside any strategy's scope
+
+
+def test_what_cannot_travel_to_a_worker_is_named_at_schedule(coordinator):
+    # before: schedule accepted them, and join raised Ray's 40-line serialization dump naming run_in_scope
+    def step():
+        outside.assign_add(np.ones(2))
+
+    with pytest.raises(TypeError, match=r"^Scheduled function 'step' uses a variable created outside the strategy's "
+                                        r"scope.*create it under strategy.scope\(\). Received: <Variable 'outside'.* "
+                                        r"as 'outside' \(used by step\).$"):
+        coordinator.schedule(step)
+    with pytest.raises(TypeError, match=r"^Scheduled function 'hold' cannot be sent to a worker: args\[1\] cannot be "
+                                        r"pickled. Received: lock \(cannot pickle '_thread.lock' object\).$"):
+        def hold(*_):
+            pass
+        coordinator.schedule(hold, args=(1, threading.Lock()))
+    coordinator.join()  # nothing was queued
+
+
+class CodedError(Exception):
+    """An error whose __init__ takes more than its message: pickle's default rebuild, CodedError(message), fails."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def test_errors_that_pickle_cannot_rebuild_and_interrupts_come_back_as_themselves(coordinator):
+    # before: a RuntimeError("CodedError: bad") and Ray's TaskCancelledError
+    def coded():
+        raise CodedError("bad", 2)
+
+    def interrupted():
+        raise KeyboardInterrupt("stop")
+
+    coded_result, interrupted_result = coordinator.schedule(coded), coordinator.schedule(interrupted)
+    with pytest.raises(CodedError, match="^bad$") as raised:
+        coded_result.fetch()
+    assert raised.value.code == 2 and raised.value.args == ("bad",)
+    with pytest.raises(KeyboardInterrupt, match="^stop$"):
+        interrupted_result.fetch()
+    with pytest.raises((CodedError, KeyboardInterrupt)):
+        coordinator.join()
+
+
 def test_training_with_an_optimizer_in_scheduled_steps(strategy, coordinator):
     with strategy.scope():
         w = distrib.Variable(np.zeros(4, np.float32), name="w")
@@ -200,7 +276,8 @@ def test_a_closure_whose_worker_dies_every_time_fails_with_a_typed_error(coordin
         os.kill(os.getpid(), signal.SIGKILL)  # as a segfault or the OOM killer would
 
     result = coordinator.schedule(crash)
-    with pytest.raises(WorkerError, match="^A scheduled closure's worker died each of the 2 times it ran it"):
+    with pytest.raises(WorkerError, match="^A scheduled closure's worker died each of the 2 times it ran it.*"
+                                          r"Received: closure \d+, 'crash'"):  # before: functools.partial(...)
         coordinator.join()
     with pytest.raises(WorkerError):
         result.fetch()

@@ -75,6 +75,45 @@ def test_a_variable_with_one_partition_is_a_plain_variable(strategy):
         v.assign_add(np.ones(3, np.float32))
 
 
+def test_an_unpartitioned_table_looks_rows_up_as_a_sharded_one(strategy):
+    # before: a table under the partitioner's minimum size had no embedding_lookup, and its sparse_read wrapped -1
+    # to the last row, raised NumPy's IndexError from the server for 100 and a raw error for 1.5
+    with strategy.scope():
+        small = distrib.Variable(np.arange(3, dtype=np.float32).reshape(3, 1), name="small_table")  # 12 bytes
+    assert not isinstance(small, distrib.ShardedVariable)
+    assert small.embedding_lookup([[2, 0]]).tolist() == [[[2.0], [0.0]]]
+    assert small.sparse_read([1]).tolist() == [[1.0]]
+    with pytest.raises(ValueError, match=r"^Row ids must lie in \[0, 3\). Received: \[-1\]"):
+        small.sparse_read([-1])
+    with pytest.raises(ValueError, match=r"^Row ids must lie in \[0, 3\). Received: \[100\]"):
+        small.embedding_lookup([100])
+    with pytest.raises(TypeError, match=r"^Row ids must be integers. Received: dtype float64"):
+        small.sparse_read([1.5])
+
+
+def test_server_variables_refuse_integers_that_would_wrap_and_scatter_every_kind(strategy):
+    # before: scatters cast int64 updates into int32 on the server (2**40 + 3 became 3), and a sharded variable
+    # had its first shard written when the second refused the operand
+    with strategy.scope():
+        plain = distrib.Variable(np.zeros(2, np.int32), name="plain_ints")  # 8 bytes: one shard
+        ints = distrib.Variable(np.zeros(8, np.int32), name="sharded_ints")  # 32 bytes: two
+    assert isinstance(ints, distrib.ShardedVariable) and not isinstance(plain, distrib.ShardedVariable)
+    for variable in (plain, ints):
+        with pytest.raises(TypeError, match=r"^scatter_add cannot write integers outside int32's range"):
+            variable.scatter_add([1], np.array([2**40 + 3], np.int64))
+        with pytest.raises(TypeError, match=r"^scatter_update cannot write integers outside int32's range"):
+            variable.scatter_update(distrib.IndexedSlices(np.array([2**32 + 9], np.int64), np.array([0])))
+    with pytest.raises(TypeError, match=r"^assign_add cannot write integers outside int32's range"):
+        ints.assign_add(np.array([1, 1, 1, 1, 1, 1, 2**40, 1], np.int64))
+    assert not plain.numpy().any() and not ints.numpy().any()
+    ints.assign(np.arange(1, 9, dtype=np.int32))
+    ints.scatter_mul([0, 7, 7], np.array([5, 2, 3], np.int64))  # int64 that fits: cast, as distrib.Variable's
+    ints.scatter_div([1, 6], np.array([-2, 2], np.int32))  # truncates toward zero
+    ints.scatter_max([2], np.array([10], np.int32))
+    plain.scatter_min([0, 1], np.array([-4, 3], np.int32))
+    assert ints.numpy().tolist() == [5, -1, 10, 4, 5, 6, 3, 48] and plain.numpy().tolist() == [-4, 0]
+
+
 def test_the_strategy_api_runs_one_replica(strategy):
     assert strategy.num_replicas_in_sync == 1
     assert isinstance(strategy.cluster_resolver, RayClusterResolver)
@@ -160,6 +199,22 @@ def test_extended_update_runs_fn_on_the_server_holding_the_variable(strategy):
     assert server_pid != os.getpid() and v.numpy().tolist() == [0.0, 2.0, 4.0]
     with pytest.raises(TypeError, match="^update runs fn where one variable lives"):
         strategy.extended.update(np.zeros(3), scale)
+
+
+def test_extended_update_returns_the_variable_fn_returns_and_names_a_result_that_cannot_travel(strategy):
+    # before: fn returning the server's variable (TensorFlow's `x.assign(...)` idiom) wrote, then raised
+    # "cannot pickle '_thread.lock' object" from Ray
+    with strategy.scope():
+        v = distrib.Variable(np.float64(1.0), name="assigned")
+    assert strategy.extended.update(v, lambda x: x.assign(2.0)) is v and float(v.numpy()) == 2.0
+    assert strategy.extended.update(v, lambda x: (x.assign_add(1.0), 7)) == (v, 7)
+    with pytest.raises(TypeError, match=r"^A function run on parameter server \d returned a value that cannot travel "
+                                        r"back \(its writes were applied\).*Received: generator from 'rows'"):
+        def rows(x):
+            x.assign_add(1.0)
+            return (k for k in range(2))
+        strategy.extended.update(v, rows)
+    assert float(v.numpy()) == 4.0
 
 
 def test_checkpoints_restore_across_shard_counts(strategy, tmp_path, ray_cluster):

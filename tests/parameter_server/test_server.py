@@ -15,7 +15,7 @@ def test_a_closure_run_again_applies_each_of_its_writes_once():
 
     def closure(delta):  # the writes a closure makes, tagged as a worker tags them
         server.write(7, "assign_add", np.full(4, delta, np.float32), next_tag(7))
-        server.scatter(7, "add", np.array([0, 0]), np.array([1, 1], np.float32), next_tag(7))
+        server.scatter(7, "scatter_add", np.array([0, 0]), np.array([1, 1], np.float32), next_tag(7))
 
     with closure_writes(closure_id=1):
         closure(1.0)

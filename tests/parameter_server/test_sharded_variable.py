@@ -86,3 +86,53 @@ def test_checkpoint_restores_into_another_shard_count(tmp_path):
         np.testing.assert_array_equal(restored.numpy(), value)
     distrib.Checkpoint(table=(plain := distrib.Variable(np.zeros_like(value)))).restore(path)
     np.testing.assert_array_equal(plain.numpy(), value)
+
+
+def test_a_refused_write_writes_no_shard():
+    # before: each shard checked its own part, so shard 0 was written when shard 1 refused (half-applied)
+    table = sharded(np.zeros(4, np.int32), 2)
+    with pytest.raises(TypeError, match=r"^assign_add cannot write integers outside int32's range"):
+        table.assign_add(np.array([1, 1, 2**40, 1], np.int64))
+    with pytest.raises(TypeError, match=r"^scatter_add cannot write integers outside int32's range"):
+        table.scatter_add([0, 3], np.array([7, 2**40], np.int64))
+    with pytest.raises(ValueError, match=r"^scatter_div cannot divide integers by zero"):
+        table.scatter_div([0, 3], np.array([1, 0], np.int32))
+    assert table.numpy().tolist() == [0, 0, 0, 0]
+
+
+def test_every_call_sent_is_awaited_before_an_error_is_raised():
+    # before: the first failure was raised at once; the calls after it were never awaited (Ray then printed an
+    # "Unhandled error" for them) and their writes landed after the caller had heard of the failure
+    from distrib.parameter_server.sharded_variable import _results
+
+    awaited = []
+
+    class Call:
+        def __init__(self, k, error=None):
+            self.k, self.error = k, error
+
+        def result(self):
+            awaited.append(self.k)
+            if self.error:
+                raise self.error
+            return self.k
+
+    def started():
+        yield Call(0, KeyError("first"))
+        yield Call(1, ValueError("second"))
+        raise RuntimeError("the third cannot start")
+
+    with pytest.raises(RuntimeError, match="the third cannot start"):
+        _results(started())
+    assert awaited == [0, 1]
+    assert _results(Call(k) for k in range(3)) == [0, 1, 2]
+
+
+def test_row_updates_of_every_kind_equal_an_unsharded_variables():
+    value = np.arange(1.0, 11.0).reshape(5, 2)
+    table, plain = sharded(value, 2), distrib.Variable(value)
+    rows, updates = np.array([4, 0, 4]), np.array([[2.0, 3.0], [0.5, 4.0], [3.0, 1.0]])
+    for method in ("scatter_mul", "scatter_div", "scatter_min", "scatter_max"):
+        getattr(table, method)(rows, updates)
+        getattr(plain, method)(distrib.IndexedSlices(updates, rows))
+        np.testing.assert_array_equal(table.numpy(), plain.numpy(), err_msg=method)
