@@ -12,11 +12,11 @@ from distrib.backends import Backend
 from distrib.options import coerce_enum
 from distrib.plan import is_inexact
 from distrib.values import DistributedValues, PerReplica, is_zero_scalar, register_leaf_type
-from distrib.variables import (IndexedSlices, Variable, VariableAggregation, VariableSynchronization,
+from distrib.variables import (IndexedSlices, SparseWrites, Variable, VariableAggregation, VariableSynchronization,
                                _ArrayOperators, _coerce_aggregation, _update_replica, scatter_rows)
 
 
-class DistributedVariable(_ArrayOperators, DistributedValues):
+class DistributedVariable(SparseWrites, _ArrayOperators, DistributedValues):
     """A variable with one component Variable per replica device; the base of Mirrored/SyncOnRead variables."""
 
     _is_distributed_variable = True
@@ -96,37 +96,6 @@ class DistributedVariable(_ArrayOperators, DistributedValues):
 
     def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
         return self._write("assign_sub", delta)
-
-    def scatter_add(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Adds an IndexedSlices to the variable's rows, following its synchronization; returns the variable."""
-        return self._scatter("scatter_add", sparse_delta)
-
-    def scatter_sub(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Subtracts an IndexedSlices from the variable's rows; returns the variable."""
-        return self._scatter("scatter_sub", sparse_delta)
-
-    def scatter_mul(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Multiplies the variable's rows by an IndexedSlices; returns the variable."""
-        return self._scatter("scatter_mul", sparse_delta)
-
-    def scatter_div(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Divides the variable's rows by an IndexedSlices; returns the variable."""
-        return self._scatter("scatter_div", sparse_delta)
-
-    def scatter_min(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Sets the variable's rows to their minimum with an IndexedSlices; returns the variable."""
-        return self._scatter("scatter_min", sparse_delta)
-
-    def scatter_max(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Sets the variable's rows to their maximum with an IndexedSlices; returns the variable."""
-        return self._scatter("scatter_max", sparse_delta)
-
-    def scatter_update(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Sets the variable's rows from an IndexedSlices; returns the variable."""
-        return self._scatter("scatter_update", sparse_delta)
-
-    def _scatter(self, method: str, sparse_delta: Any):
-        raise NotImplementedError
 
     def _update_all(self, method: str, value: Any):
         """Applies `component.method(select_replica(i, value))` to every component (cross-replica)."""

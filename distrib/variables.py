@@ -146,7 +146,45 @@ class _ArrayOperators:
     def __getitem__(self, key): return self.value()[key]
 
 
-class Variable(_ArrayOperators, metaclass=_VariableMeta):
+class SparseWrites:
+    """TensorFlow's `scatter_*` methods, each given an IndexedSlices (`sparse_delta`) and returning the variable;
+    shared by Variable and the distributed variables, which define `_scatter(method, sparse_delta)`."""
+
+    def scatter_add(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Adds `sparse_delta.values` to the rows `sparse_delta.indices` (repeated rows add up)."""
+        return self._scatter("scatter_add", sparse_delta)
+
+    def scatter_sub(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Subtracts `sparse_delta.values` from its rows (repeated rows accumulate); returns the variable."""
+        return self._scatter("scatter_sub", sparse_delta)
+
+    def scatter_mul(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Multiplies its rows by `sparse_delta.values` (repeated rows accumulate); returns the variable."""
+        return self._scatter("scatter_mul", sparse_delta)
+
+    def scatter_div(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Divides its rows by `sparse_delta.values` (integers truncate toward zero, as in TensorFlow); returns
+        the variable."""
+        return self._scatter("scatter_div", sparse_delta)
+
+    def scatter_min(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Sets its rows to the minimum of themselves and `sparse_delta.values`; returns the variable."""
+        return self._scatter("scatter_min", sparse_delta)
+
+    def scatter_max(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Sets its rows to the maximum of themselves and `sparse_delta.values`; returns the variable."""
+        return self._scatter("scatter_max", sparse_delta)
+
+    def scatter_update(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
+        """Sets the rows `sparse_delta.indices` to `sparse_delta.values` (for a repeated row, the last one on the
+        CPU; TensorFlow leaves the order undefined); returns the variable."""
+        return self._scatter("scatter_update", sparse_delta)
+
+    def _scatter(self, method: str, sparse_delta: Any):
+        raise NotImplementedError
+
+
+class Variable(SparseWrites, _ArrayOperators, metaclass=_VariableMeta):
     """A mutable array on one device. Under `strategy.scope()`, `Variable(...)` creates a distributed variable.
 
     Args:
@@ -277,37 +315,7 @@ class Variable(_ArrayOperators, metaclass=_VariableMeta):
         self._backend.xp.subtract(buffer, self._operand(delta, "assign_sub"), out=buffer, casting="same_kind")
         return self
 
-    # -- sparse writes (TensorFlow's tf.Variable.scatter_*) --------------------------------------------------
-
-    def scatter_add(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Adds `sparse_delta.values` to the rows `sparse_delta.indices` (repeated rows add up); returns the variable."""
-        return self._scatter("scatter_add", sparse_delta)
-
-    def scatter_sub(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Subtracts `sparse_delta.values` from its rows (repeated rows accumulate); returns the variable."""
-        return self._scatter("scatter_sub", sparse_delta)
-
-    def scatter_mul(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Multiplies its rows by `sparse_delta.values` (repeated rows accumulate); returns the variable."""
-        return self._scatter("scatter_mul", sparse_delta)
-
-    def scatter_div(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Divides its rows by `sparse_delta.values` (integers truncate toward zero, as in TensorFlow); returns
-        the variable."""
-        return self._scatter("scatter_div", sparse_delta)
-
-    def scatter_min(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Sets its rows to the minimum of themselves and `sparse_delta.values`; returns the variable."""
-        return self._scatter("scatter_min", sparse_delta)
-
-    def scatter_max(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Sets its rows to the maximum of themselves and `sparse_delta.values`; returns the variable."""
-        return self._scatter("scatter_max", sparse_delta)
-
-    def scatter_update(self, sparse_delta: Any, use_locking: bool = False, name: str | None = None):
-        """Sets the rows `sparse_delta.indices` to `sparse_delta.values` (for a repeated row, the last one on the
-        CPU; TensorFlow leaves the order undefined); returns the variable."""
-        return self._scatter("scatter_update", sparse_delta)
+    # -- sparse writes: SparseWrites' scatter_* methods call this --------------------------------------------
 
     def _scatter(self, method: str, sparse_delta: Any):
         indices, values = self._sparse_operands(method, sparse_delta)
