@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import weakref
 from typing import Any
 
@@ -252,15 +251,10 @@ def _is_owner(obj: Any) -> bool:
 
 
 def _creates(owner: Any, name: str) -> bool:
-    """Whether `owner` may create a variable named `name` later: an optimizer creates only `<its name>/iterations`
-    and `<variable>/<one of its slot_names>` (numbered `_1`... when names repeat); any other owner may."""
-    from distrib.optimizers import Optimizer  # it imports this module
-
-    if not isinstance(owner, Optimizer):
-        return True
-    slots = "|".join(re.escape(slot) for slot in owner.slot_names)
-    pattern = re.escape(f"{owner.name}/iterations") + (f"|.+/(?:{slots})(?:_\\d+)*" if slots else "")
-    return re.fullmatch(pattern, name) is not None
+    """Whether `owner` may create a variable named `name` later: what an optimizer says (`may_create`); any other
+    owner may."""
+    may_create = getattr(owner, "may_create", None)
+    return may_create is None or may_create(name)
 
 
 def _foreign_state_message(path: Any, manifest: dict, owner_key: str, owner: Any, keys: list[str]) -> str:

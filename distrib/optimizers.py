@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import re
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -101,6 +102,14 @@ class Optimizer:
 
     def get_slot_names(self) -> list[str]:
         return list(self.slot_names)
+
+    def may_create(self, name: str) -> bool:
+        """Whether this optimizer may create a variable saved as `name` (see `variables`): `<its name>/iterations`
+        and `<variable>/<one of slot_names>`, numbered `_1`... when names repeat. A checkpoint's restore asks, so
+        that state saved by another kind of optimizer is refused rather than left waiting for good."""
+        slots = "|".join(re.escape(slot) for slot in self.slot_names)
+        pattern = re.escape(f"{self.name}/iterations") + (f"|.+/(?:{slots})(?:_\\d+)*" if slots else "")
+        return re.fullmatch(pattern, name) is not None
 
     def get_slot(self, var: Any, slot_name: str) -> Any:
         """The slot variable `slot_name` (one of `slot_names`) of `var`."""

@@ -2,82 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from distrib.backends.cpu import to_numpy
 from distrib.parameter_server.partitioners import locate_rows
+from distrib.parameter_server.shard_calls import lookup_rows, results, start
 from distrib.parameter_server.variable import ParameterServerVariable, RowUpdates, _check_operand, _check_rows
-from distrib.variables import Variable, _ArrayOperators, scatter_rows
-
-
-class _Done:
-    """The result of an operation on a local shard, already computed (a remote shard returns a Pending)."""
-
-    def __init__(self, value: Any = None):
-        self._value = value
-
-    def result(self) -> Any:
-        return self._value
-
-
-def _start(shard: Any, method: str, *args: Any) -> Any:
-    """Starts `method` on one shard: sent without waiting to a parameter server, done at once on a local variable."""
-    if isinstance(shard, ParameterServerVariable):
-        if method == "read":
-            return shard._start("read")
-        if method == "read_rows":
-            return shard._start("read_rows", *args)
-        if method.startswith("scatter_"):
-            return shard._start_scatter(method, *args)
-        return shard._start_write(method, *args)
-    if method == "read":
-        return _Done(shard.read_value())
-    if method == "read_rows":
-        return _Done(shard.read_value()[args[0]])
-    if method.startswith("scatter_"):
-        scatter_rows(np, shard._writable(), method, *args)
-        return _Done()
-    getattr(shard, method)(*args)
-    return _Done()
-
-
-def _results(started: Iterable[Any]) -> list:
-    """The results of the calls `started` makes, awaited all even when one fails (or fails to start); then the
-    first error is raised. A call left unawaited would print Ray's "Unhandled error" later, and the caller would
-    hear of a failure while other shards' writes were still landing."""
-    pending, results, error = [], [], None
-    try:
-        for call in started:
-            pending.append(call)
-    except Exception as exc:  # noqa: BLE001 - raised below, once the calls already sent are done
-        error = exc
-    for call in pending:
-        try:
-            results.append(call.result())
-        except Exception as exc:  # noqa: BLE001
-            error = error or exc
-    if error is not None:
-        raise error
-    return results
-
-
-def lookup_rows(variable: Any, shards: Sequence[Any], offsets: Sequence[int], ids: Any) -> np.ndarray:
-    """`variable.embedding_lookup(ids)` over its `shards` starting at rows `offsets` (one for an unsharded one):
-    the ids are checked before anything is read, then each shard is asked for its rows, all at once."""
-    if not variable.shape:
-        raise ValueError(f"embedding_lookup needs a variable of rank 1 or more: ids select rows along axis 0. "
-                         f"Received: variable {variable.name!r} of shape ().")
-    ids = to_numpy(ids)
-    flat = ids.reshape(-1)
-    shard, local = locate_rows(flat, offsets)
-    row_shape = tuple(variable.shape[1:])
-    out = np.empty((flat.size,) + row_shape, variable.dtype)
-    touched = np.unique(shard)
-    for p, rows in zip(touched, _results(_start(shards[p], "read_rows", local[shard == p]) for p in touched)):
-        out[shard == p] = rows
-    return out.reshape(ids.shape + row_shape)
+from distrib.variables import Variable, _ArrayOperators
 
 
 class ShardedVariable(RowUpdates, _ArrayOperators):
@@ -158,7 +91,7 @@ class ShardedVariable(RowUpdates, _ArrayOperators):
 
     def read_value(self) -> np.ndarray:
         """The full value: the shards concatenated along axis 0."""
-        return np.concatenate(_results(_start(s, "read") for s in self._variables), axis=0)
+        return np.concatenate(results(start(s, "read") for s in self._variables), axis=0)
 
     def value(self) -> np.ndarray:
         return self.read_value()
@@ -182,7 +115,7 @@ class ShardedVariable(RowUpdates, _ArrayOperators):
         operand = to_numpy(value.read_value() if hasattr(value, "read_value") else value)
         _check_operand(self, method, operand)  # all or nothing: no shard is written when one would refuse
         operand = np.broadcast_to(operand, self.shape)
-        _results(_start(s, method, operand[a:b]) for s, a, b in zip(self._variables, self._offsets, self._offsets[1:]))
+        results(start(s, method, operand[a:b]) for s, a, b in zip(self._variables, self._offsets, self._offsets[1:]))
         return self
 
     # -- rows -------------------------------------------------------------------------------------------
@@ -200,5 +133,5 @@ class ShardedVariable(RowUpdates, _ArrayOperators):
         updates = _check_rows(self, method, indices, updates, self.shape[0])  # all or nothing, as _write_whole
         flat, rows = indices.reshape(-1), updates.reshape((-1,) + self.shape[1:])
         shard, local = locate_rows(flat, self._offsets)
-        _results(_start(self._variables[p], method, local[shard == p], rows[shard == p]) for p in np.unique(shard))
+        results(start(self._variables[p], method, local[shard == p], rows[shard == p]) for p in np.unique(shard))
         return self

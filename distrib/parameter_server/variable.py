@@ -9,6 +9,7 @@ import numpy as np
 from distrib.backends.cpu import to_numpy
 from distrib.errors import ParameterServerError
 from distrib import ray_runtime
+from distrib.parameter_server.shard_calls import lookup_rows
 from distrib.parameter_server.write_tags import next_tag
 from distrib.variables import (VariableAggregation, VariableSynchronization, _ArrayOperators, check_integers_fit,
                                sparse_rows)
@@ -147,7 +148,6 @@ class ParameterServerVariable(RowUpdates, _ArrayOperators):
         """The rows `ids` (any shape) as an array of shape `ids.shape + shape[1:]`; only those rows travel.
 
         Checked as a ShardedVariable's (the same code): a table under the partitioner's minimum size stays whole."""
-        from distrib.parameter_server.sharded_variable import lookup_rows  # it builds on this module
 
         return lookup_rows(self, [self], [0, self._shape[0] if self._shape else 0], ids)
 

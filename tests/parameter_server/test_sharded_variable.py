@@ -103,7 +103,7 @@ def test_a_refused_write_writes_no_shard():
 def test_every_call_sent_is_awaited_before_an_error_is_raised():
     # before: the first failure was raised at once; the calls after it were never awaited (Ray then printed an
     # "Unhandled error" for them) and their writes landed after the caller had heard of the failure
-    from distrib.parameter_server.sharded_variable import _results
+    from distrib.parameter_server.shard_calls import results
 
     awaited = []
 
@@ -123,9 +123,9 @@ def test_every_call_sent_is_awaited_before_an_error_is_raised():
         raise RuntimeError("the third cannot start")
 
     with pytest.raises(RuntimeError, match="the third cannot start"):
-        _results(started())
+        results(started())
     assert awaited == [0, 1]
-    assert _results(Call(k) for k in range(3)) == [0, 1, 2]
+    assert results(Call(k) for k in range(3)) == [0, 1, 2]
 
 
 def test_row_updates_of_every_kind_equal_an_unsharded_variables():
