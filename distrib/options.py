@@ -220,9 +220,14 @@ class AutoShardPolicy(enum.Enum):
     """How a multi-worker job splits a dataset over its workers (TensorFlow's tf.data AutoShardPolicy).
 
     AUTO: FILE when the dataset has a `shard(num_shards, index)` method, else DATA. FILE: each worker reads
-    `dataset.shard(num_workers, worker_index)` and splits its batches over its own replicas. DATA: every worker
-    reads every global batch and keeps its replicas' rows, exactly the rows one process would give them.
-    OFF: every worker reads the whole dataset and splits each batch over its own replicas.
+    `dataset.shard(num_workers, worker_index)`. DATA: every worker reads every global batch and keeps its
+    replicas' rows, exactly the rows one process would give them. OFF: every worker reads the whole dataset.
+
+    With FILE and OFF a worker rebatches what it reads as TensorFlow does ("rebatch, then shard"): each batch of
+    B rows into `num_replicas_in_sync` pieces of ceil(B / N) rows (the last ones short or empty), its replicas
+    taking the next pieces each step. A step then holds one global batch's worth of rows over all the workers'
+    replicas, as with DATA; with OFF each worker covers the whole dataset, so an epoch takes num_workers times
+    the steps and every row is used once per worker. With one worker every policy splits each batch alike.
     """
 
     AUTO = "AUTO"

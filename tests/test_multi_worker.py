@@ -69,7 +69,10 @@ def test_reduce_gather_and_input_split_as_one_process_with_four_replicas(job):
     np.testing.assert_array_equal(report["gather"], strategy.gather(values, axis=0))
     batch = next(iter(strategy.experimental_distribute_dataset([np.zeros((7, 2))])))
     assert report["batch_rows"] == [len(b) for b in strategy.experimental_local_results(batch)] == [2, 2, 2, 1]
-    assert report["batch_rows_off"] == [4, 3, 4, 3]  # AutoShardPolicy.OFF: each worker splits every batch itself
+    # AutoShardPolicy.OFF: each worker reads the batch of 7 rows and rebatches it into 4 pieces of 2, 2, 2, 1 (as
+    # TensorFlow does, whatever the policy), its 2 replicas taking 2 pieces a step: every worker covers the batch
+    # in 2 steps, and a step holds the global batch's worth of rows over the 4 replicas, not 7 per worker
+    assert report["batch_rows_off"] == [[2, 2, 2, 2], [2, 1, 2, 1]]
 
 
 def as_json(value):
@@ -510,5 +513,51 @@ def test_a_worker_whose_input_is_empty_from_the_start_makes_every_worker_raise_a
         assert first[case]["error"].endswith("Received: no element on another worker before its first step.")
         assert second[case]["error"].endswith("no element on this worker (index 1 of 2) before its first step.")
         assert first[case]["after"] == second[case]["after"] == 4.0
-    later = {"steps": 2, "error": None, "after": 4.0}  # files 0 and 2 against file 1: empty batches on rank 1
+    # files 0 and 2 against file 1, each of 4 rows rebatched into 4 pieces, 2 a step: rank 1 gets empty batches
+    # in steps 3 and 4
+    later = {"steps": 4, "error": None, "after": 4.0}
     assert first["runs out later"] == second["runs out later"] == later
+
+
+REBATCH_JOB = "rebatch_job.py"  # FILE, AUTO, OFF and DATA epochs; global batches of 2 rows a replica
+
+
+def pieces(*rows):
+    """Pieces of 2 consecutive rows starting at each of `rows`, as the job reports them."""
+    return [[float(r), float(r + 1)] for r in rows]
+
+
+def test_by_file_and_off_a_step_holds_one_global_batch_over_every_workers_replicas(tmp_path):
+    # TensorFlow rebatches each worker's batches into num_replicas_in_sync pieces whatever the shard policy
+    # ("rebatch, then shard"); before, each worker split its batch over its own replicas only: a step held
+    # W x G rows and a loss divided by G came out W times too large
+    done = mpirun(REBATCH_JOB, str(tmp_path / "report.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["G"] == 8  # 4 files (or batches) of 8 rows, 0..31; replicas in order: rank 0's 2, rank 1's 2
+    assert report["FILE"] == report["AUTO"] == [  # rank 0 reads files 0 and 2, rank 1 files 1 and 3
+        {"rows": pieces(0, 2, 8, 10), "processed": 8.0}, {"rows": pieces(4, 6, 12, 14), "processed": 8.0},
+        {"rows": pieces(16, 18, 24, 26), "processed": 8.0}, {"rows": pieces(20, 22, 28, 30), "processed": 8.0}]
+    # OFF: every worker reads both batches, so the epoch takes W x 2 steps of G rows, each row taken by every worker
+    assert report["OFF"] == [{"rows": pieces(r, r + 2) * 2, "processed": 8.0} for r in (0, 4, 8, 12)]
+    assert report["DATA"] == [{"rows": pieces(0, 2, 4, 6), "processed": 8.0},  # unchanged: one batch a step
+                              {"rows": pieces(8, 10, 12, 14), "processed": 8.0}]
+
+
+def test_by_file_and_off_processes_of_one_and_two_replicas_take_their_pieces_at_their_own_pace(tmp_path):
+    # 3 replicas, batches of 6 rows in pieces of 2: rank 0 takes 1 piece a step, rank 1 takes 2 (across batch
+    # boundaries), then gets empty batches until rank 0 is out too
+    done = mpirun_uneven(REBATCH_JOB, (1, 2), str(tmp_path / "report.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["G"] == 6
+    alone = [{"rows": pieces(r) + [[], []], "processed": 2.0} for r in (12, 14, 16)]
+    assert report["FILE"] == report["AUTO"] == [  # rank 0: files 0 and 2 (rows 0..5, 12..17), rank 1: 1 and 3
+        {"rows": pieces(0, 6, 8), "processed": 6.0}, {"rows": pieces(2, 10, 18), "processed": 6.0},
+        {"rows": pieces(4, 20, 22), "processed": 6.0}] + alone
+    assert report["OFF"] == [  # every rank reads rows 0..11
+        {"rows": pieces(0, 0, 2), "processed": 6.0}, {"rows": pieces(2, 4, 6), "processed": 6.0},
+        {"rows": pieces(4, 8, 10), "processed": 6.0}] + [{"rows": pieces(r) + [[], []], "processed": 2.0}
+                                                         for r in (6, 8, 10)]
+    assert report["DATA"] == [{"rows": pieces(0, 2, 4), "processed": 6.0},
+                              {"rows": pieces(6, 8, 10), "processed": 6.0}]

@@ -2,13 +2,17 @@
 
 `DistributedDataset` splits each global batch of B rows into consecutive slices of ceil(B / N) rows, one per
 replica, the trailing replicas short or empty (an empty batch keeps the trailing shape), exactly as TensorFlow
-2.21 splits batches whose size is not known in advance. `DistributedDatasetsFromFunction` does no splitting:
+2.21 splits batches whose size is not known in advance. Where each worker of a multi-worker job reads whole
+batches (by file, or `AutoShardPolicy.OFF`), every batch it reads is split the same way into N pieces, and each
+step its replicas take the next pieces in order, as TensorFlow's rebatched dataset feeds them (a step still
+holds one global batch's worth of rows). `DistributedDatasetsFromFunction` does no splitting:
 each replica takes one element per step from the pipeline `dataset_fn` built. Both prepare the next
 `experimental_per_replica_buffer_size` steps in a background thread, so input work overlaps the training step.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -188,7 +192,9 @@ class DistributedDataset(_DatasetBase):
 
     Create it with `Strategy.experimental_distribute_dataset`. With several input workers, a dataset that has a
     `shard(num_shards, index)` method is sharded by it (e.g. by file); otherwise each worker keeps its
-    replicas' slices of every global batch (by data).
+    replicas' slices of every global batch (by data). A worker that reads whole batches (by file, or with
+    `AutoShardPolicy.OFF`) rebatches them as TensorFlow does: each batch into `num_replicas_in_sync` pieces of
+    ceil(B / N) rows, its replicas taking the next pieces each step.
     """
 
     def __init__(self, dataset: Iterable, workers: InputWorkers, options: InputOptions | None = None):
@@ -204,16 +210,21 @@ class DistributedDataset(_DatasetBase):
                                                      (policy is AutoShardPolicy.AUTO and can_shard))
         if self._by_file:
             dataset = dataset.shard(workers.num_workers, workers.worker_index)
-        self._each_worker_whole = self._by_file or policy is AutoShardPolicy.OFF  # split over local replicas only
+        # each worker reads whole batches and rebatches them into num_replicas_in_sync pieces (TensorFlow's
+        # "rebatch, then shard"); with one worker that is the split by data, taken unchanged
+        self._each_worker_whole = workers.num_workers > 1 and (self._by_file or policy is AutoShardPolicy.OFF)
         self._open = _reiterable(dataset, "The dataset")
 
     def __iter__(self) -> DistributedIterator:
         batches = self._open()
         workers, options = self._workers, self._options
         local = len(workers.devices)
-        slices = local if self._each_worker_whole else workers.num_replicas_in_sync
-        first = 0 if self._each_worker_whole else workers.first_local_replica
+        slices, first = workers.num_replicas_in_sync, workers.first_local_replica
         empty = EmptyBatches()
+        if self._each_worker_whole:
+            produce = self._rebatched(batches, empty)
+            return DistributedIterator(produce, options, self._element_spec, self._pace, step_or_end(
+                workers, options, empty, local, SHARD_EMPTY))
 
         def produce() -> Any:
             batch = next(batches, END)
@@ -229,6 +240,48 @@ class DistributedDataset(_DatasetBase):
 
         return DistributedIterator(produce, options, self._element_spec, self._pace, step_or_end(
             workers, options, empty, local, SHARD_EMPTY))
+
+    def _rebatched(self, batches: Iterator, empty: EmptyBatches) -> Callable[[], Any]:
+        """`produce` for a worker that reads whole batches: TensorFlow's legacy rebatch (batch sizes unknown in
+        advance) splits each batch into num_replicas_in_sync pieces of ceil(B / N) rows, empty ones included, and
+        the worker's multi-device iterator hands them to its replicas in turn, so each step takes the next `local`
+        pieces, across batch boundaries where `local` does not divide N (workers of different replica counts).
+        Input ending mid-step leaves the remaining replicas empty batches; NO_DATA once no piece is left."""
+        workers, options = self._workers, self._options
+        local, count = len(workers.devices), workers.num_replicas_in_sync
+        pieces: collections.deque = collections.deque()  # (structure, leaves) of pieces not handed out yet
+        ended = [False]
+
+        def produce() -> Any:
+            if pieces and not ended[0] and len(pieces) < local:
+                # views of a batch held past the next read: a loader that refills one buffer would overwrite them
+                for _ in range(len(pieces)):
+                    spec, arrays = pieces.popleft()
+                    pieces.append((spec, [a.copy() for a in arrays]))
+            while len(pieces) < local and not ended[0]:
+                batch = next(batches, END)
+                if batch is END:
+                    ended[0] = True
+                    break
+                arrays, spec = batch_leaves(batch, workers.backend, "dataset element")
+                arrays = captured(arrays, workers.backend)
+                rows = batch_rows(arrays, spec, "dataset element")
+                self._record_spec(spec, arrays)
+                empty.remember(spec, arrays)
+                pieces.extend((spec, [a[start:stop] for a in arrays]) for start, stop in split_bounds(rows, count))
+            if not pieces:
+                return NO_DATA
+            taken = [pieces.popleft() for _ in range(min(local, len(pieces)))]
+            spec = taken[0][0]
+            if any(other != spec for other, _ in taken[1:]):
+                raise ValueError(f"The batches whose pieces meet in one step must have the same structure. "
+                                 f"Received: {[other for other, _ in taken]}.")
+            per_replica = [arrays for _, arrays in taken]
+            if len(per_replica) < local:  # the input ended mid-step
+                per_replica += empty.make(local - len(per_replica), SHARD_EMPTY)[1]
+            return assemble(spec, place(workers, options, per_replica), workers.wraps_values)
+
+        return produce
 
     def __repr__(self) -> str:
         return f"<DistributedDataset replicas={self._workers.num_replicas_in_sync}>"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import distrib
-from distrib import InputOptions, InputReplicationMode, PerReplica
+from distrib import AutoShardPolicy, InputOptions, InputReplicationMode, PerReplica
 from distrib.backends import get_backend
 from distrib.input import ArraySpec, DistributedDataset, DistributedDatasetsFromFunction, InputWorkers, split_bounds
 from support import DLPackOnly
@@ -579,9 +579,10 @@ def test_the_prefetch_thread_exits_when_the_iterator_is_dropped(strategy):
 # -- multi-worker hooks ----------------------------------------------------------------------------------------
 
 
-def workers(index, num_workers=2, any_worker_has_data=None):
+def workers(index, num_workers=2, any_worker_has_data=None, **extra):
     """Input worker `index` of `num_workers`, each with two local replicas."""
-    extra = {} if any_worker_has_data is None else {"any_worker_has_data": any_worker_has_data}
+    if any_worker_has_data is not None:
+        extra["any_worker_has_data"] = any_worker_has_data
     return InputWorkers(get_backend("cpu"), ("CPU:0", "CPU:1"), num_workers=num_workers, worker_index=index, **extra)
 
 
@@ -613,18 +614,75 @@ class ShardableBatches:
         return ShardableBatches(self.files[index::num_shards])
 
 
-def test_by_file_a_dataset_with_shard_is_sharded_and_each_worker_splits_its_shard():
-    files = [np.full(4, i) for i in range(4)]
+def test_by_file_a_dataset_with_shard_is_sharded_and_each_worker_rebatches_its_shard():
+    # TensorFlow rebatches every batch into num_replicas_in_sync pieces before sharding (by file here), and each
+    # worker's replicas take the next pieces each step: a step holds one global batch's worth of rows in all
+    files = [np.arange(4 * i, 4 * i + 4) for i in range(4)]
     worker_0 = local_steps(DistributedDataset(ShardableBatches(files), workers(0)))
     worker_1 = local_steps(DistributedDataset(ShardableBatches(files), workers(1)))
-    assert worker_0 == [[[0, 0], [0, 0]], [[2, 2], [2, 2]]]
-    assert worker_1 == [[[1, 1], [1, 1]], [[3, 3], [3, 3]]]
+    assert worker_0 == [[[0], [1]], [[2], [3]], [[8], [9]], [[10], [11]]]
+    assert worker_1 == [[[4], [5]], [[6], [7]], [[12], [13]], [[14], [15]]]
+
+
+def test_with_auto_shard_off_each_worker_reads_every_batch_and_rebatches_it_over_all_replicas():
+    off = InputOptions(auto_shard_policy=AutoShardPolicy.OFF)
+    batches = [np.arange(7), np.arange(7, 9)]  # pieces of 2, 2, 2, 1 then 1, 1, 0, 0
+    for index in (0, 1):
+        assert local_steps(DistributedDataset(batches, workers(index), off)) == [
+            [[0, 1], [2, 3]], [[4, 5], [6]], [[7], [8]], [[], []]]
+
+
+def test_a_worker_whose_replicas_do_not_divide_the_pieces_takes_them_across_batches_and_ends_mid_step():
+    # 3 replicas (1 on another worker): each batch of 6 rows gives 3 pieces of 2, this worker's 2 replicas take 2
+    off = InputOptions(auto_shard_policy=AutoShardPolicy.OFF)
+    batches = [np.arange(0, 6), np.arange(6, 12), np.arange(12, 18)]
+    assert local_steps(DistributedDataset(batches, workers(1, first_replica=1, all_replicas=3), off)) == [
+        [[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]], [[12, 13], [14, 15]], [[16, 17], []]]
+
+
+class RefilledBuffer:
+    """A loader that refills one buffer for every batch."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __iter__(self):
+        buffer = np.empty_like(self.batches[0])
+        for batch in self.batches:
+            buffer[...] = batch
+            yield buffer
+
+
+def test_pieces_left_for_the_next_step_survive_a_loader_that_refills_its_buffer():
+    off = InputOptions(auto_shard_policy=AutoShardPolicy.OFF)
+    dataset = DistributedDataset(RefilledBuffer([np.arange(0, 6), np.arange(6, 12)]),
+                                 workers(1, first_replica=1, all_replicas=3), off)
+    assert local_steps(dataset) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
+
+
+def test_pieces_of_batches_of_other_structures_in_one_step_are_refused():
+    off = InputOptions(auto_shard_policy=AutoShardPolicy.OFF)
+    dataset = DistributedDataset([{"x": np.arange(6)}, {"y": np.arange(6)}],
+                                 workers(1, first_replica=1, all_replicas=3), off)
+    with pytest.raises(ValueError, match="pieces meet in one step must have the same structure"):
+        list(dataset)
 
 
 def test_a_single_worker_ignores_the_shard_method():
     files = ShardableBatches([np.full(4, i) for i in range(2)])
     assert local_steps(DistributedDataset(files, workers(0, num_workers=1))) == [[[0, 0], [0, 0]],
                                                                                  [[1, 1], [1, 1]]]
+
+
+@pytest.mark.parametrize("policy", list(AutoShardPolicy))
+def test_a_single_worker_splits_each_batch_over_its_replicas_whatever_the_policy(policy):
+    if policy is AutoShardPolicy.FILE:
+        dataset = ShardableBatches([np.arange(7), np.arange(7, 12)])
+    else:
+        dataset = [np.arange(7), np.arange(7, 12)]
+    assert local_steps(DistributedDataset(dataset, workers(0, num_workers=1),
+                                          InputOptions(auto_shard_policy=policy))) == [
+        [[0, 1, 2, 3], [4, 5, 6]], [[7, 8, 9], [10, 11]]]
 
 
 def other_worker(*votes):
@@ -636,10 +694,11 @@ def other_worker(*votes):
 
 def test_a_worker_out_of_data_gets_empty_batches_until_every_worker_is_out():
     files = [np.full((4, 3), i, np.float32) for i in range(3)]  # worker 0 reads files 0 and 2, worker 1 file 1
+    # each file of 4 rows is rebatched into 4 pieces of 1, 2 a step: worker 0 takes 4 steps, worker 1 2
     dataset = DistributedDataset(ShardableBatches(files),
-                                 workers(1, any_worker_has_data=other_worker(True, False, True, False)))
+                                 workers(1, any_worker_has_data=other_worker(True, False, True, True, True, False)))
     epoch = [[x.shape for x in batch.values] for batch in dataset]
-    assert epoch == [[(2, 3), (2, 3)], [(0, 3), (0, 3)]]
+    assert epoch == [[(1, 3), (1, 3)], [(1, 3), (1, 3)], [(0, 3), (0, 3)], [(0, 3), (0, 3)]]
 
 
 def test_a_pipeline_out_of_data_gets_empty_batches_until_every_worker_is_out():

@@ -83,8 +83,8 @@ dataset = [np.arange(14, dtype=np.float32).reshape(7, 2)]
 report["batch_rows"] = everywhere([len(b) for b in strategy.experimental_local_results(
     next(iter(strategy.experimental_distribute_dataset(dataset))))])
 off = distrib.InputOptions(auto_shard_policy=distrib.AutoShardPolicy.OFF)
-report["batch_rows_off"] = everywhere([len(b) for b in strategy.experimental_local_results(
-    next(iter(strategy.experimental_distribute_dataset(dataset, off))))])
+report["batch_rows_off"] = [everywhere([len(b) for b in strategy.experimental_local_results(batch)])
+                            for batch in strategy.experimental_distribute_dataset(dataset, off)]  # every step
 report["resolver"] = [strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id,
                       strategy.cluster_resolver.cluster_spec()]
 
