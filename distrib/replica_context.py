@@ -14,8 +14,9 @@ from distrib import context, timeline
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, ReduceOp
 from distrib.replica_threads import name_replica
-from distrib.values import (LEAF_SPEC, LEAF_TYPES, DistributedValues, flatten, format_path, regroup, select_replicas, structure_mismatch,
-                            unflatten)
+from distrib.values import (LEAF_SPEC, LEAF_TYPES, DistributedValues, flatten, format_path, regroup, select_replicas,
+                            structure_mismatch, unflatten)
+from distrib.variables import IndexedSlices
 
 _ARRAYS = operator.itemgetter(1)  # a collective's payload: (spec, arrays, arguments, the error it raised or None)
 
@@ -177,9 +178,21 @@ class ReplicaContext:
                     raise
             return host._merge_inline("all_reduce", host._cross_device_ops.batch_all_reduce, host._backend, op,
                                       [arrays], host._devices, options)[0][0]  # `_batch_all_reduce`, a call less
+        if type(value) is IndexedSlices:
+            return self._all_reduce_sparse(op, value, options)
         return self._collective("all_reduce", value, options, _check_numeric,
                                 functools.partial(self._strategy._extended._batch_all_reduce, op),
                                 arguments=(("reduce_op", op),))
+
+    def _all_reduce_sparse(self, op: ReduceOp, value: IndexedSlices, options: CommunicationOptions | None) -> Any:
+        """TensorFlow's reduction of IndexedSlices: every replica's rows concatenated in replica order (a row that
+        several replicas hold then appears once for each, and adds up when applied), MEAN dividing the values by the
+        number of replicas; the first replica's dense_shape."""
+        values = self.all_gather(value.values, 0, options)
+        indices = self.all_gather(value.indices, 0, options)
+        if op is ReduceOp.MEAN:
+            values = values / np.asarray(self.num_replicas_in_sync, values.dtype if values.dtype.kind in "fc" else None)
+        return IndexedSlices(values, indices, value.dense_shape)
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
         """Concatenates `value` (a nested structure of arrays) from every replica along `axis`; shapes may differ
@@ -192,6 +205,10 @@ class ReplicaContext:
             differ off `axis`.
         """
         self._require_current("all_gather")
+        if type(value) is IndexedSlices:  # as TensorFlow, which gathers no sparse values
+            raise NotImplementedError("all_gather of an IndexedSlices is not supported, as in TensorFlow. Received: "
+                                      "IndexedSlices; gather its values and indices, or all_reduce it (which "
+                                      "concatenates them).")
         host = self._strategy._extended
         if host._inline is self and type(value) is np.ndarray and host._host_arrays and timeline.recording is None:
             # one NumPy array in a run on the calling thread: `_collective`'s steps for it, as all_reduce takes
@@ -200,6 +217,7 @@ class ReplicaContext:
             try:
                 try:
                     check_gather_shapes("all_gather", [value.shape], [value.dtype], axis, ())
+                    _check_gatherable(value, ())
                 except (ValueError, TypeError):
                     host._refuse_collective()
                     raise
@@ -225,6 +243,9 @@ class ReplicaContext:
         leaves, spec = flatten(value)
         refused = None
         try:
+            if spec is not LEAF_SPEC and _holds_sparse(spec):
+                raise TypeError(f"{kind} takes an IndexedSlices only as the whole value, not inside a structure "
+                                f"(its values, indices and shape would be treated as three arrays). Received: {spec}.")
             arrays = host._to_replica_device(leaves, self._replica_id) if leaves else []
             if check_leaves is not None and arrays:
                 check_leaves(arrays, spec)
@@ -262,6 +283,18 @@ def _check_numeric(arrays: list, spec: Any) -> None:
                         f"{format_path(spec.paths()[k])}.")
 
 
+_SPARSE_IN_SPEC: dict = {}  # spec -> whether an IndexedSlices is among its nodes (seen once per structure)
+
+
+def _holds_sparse(spec: Any) -> bool:
+    known = _SPARSE_IN_SPEC.get(spec)
+    if known is None:
+        if len(_SPARSE_IN_SPEC) >= 1024:
+            _SPARSE_IN_SPEC.clear()
+        known = _SPARSE_IN_SPEC[spec] = f"{IndexedSlices.__name__}(" in repr(spec)
+    return known
+
+
 def _distributed_leaf_error(kind: str, leaves: list, spec: Any) -> TypeError | None:
     """The error for a PerReplica or Mirrored among a collective's values in a replica function (one the function
     captured rather than received through `run`'s args), where NumPy would see just an object; else None."""
@@ -283,6 +316,14 @@ def check_gather_axis(api: str, axis: Any) -> None:
 
 def _check_gather_axis(axis: Any, arrays: list, spec: Any) -> None:
     check_gather_axis("all_gather", axis)  # before the merge: there, a gather axis of None means no gather
+    for k, array in enumerate(arrays):
+        _check_gatherable(array, spec.paths()[k])
+
+
+def _check_gatherable(array: Any, path: tuple) -> None:
+    if array.dtype.kind in "SU":  # the collectives move numbers (Strategy.gather, on the host, takes strings)
+        raise TypeError(f"all_gather needs arrays of numbers. Received: dtype {array.dtype} at path "
+                        f"{format_path(path)}; gather strings with Strategy.gather instead.")
 
 
 def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
