@@ -16,7 +16,7 @@ from distrib.backends.base import Backend
 from distrib.backends.packed import member_views
 from distrib.batched_gather import batch_all_gather
 from distrib import plan as planner
-from distrib.devices import HOST
+from distrib.devices import HOST, canonical_name
 from distrib.options import CommunicationImplementation, CommunicationOptions, ReduceOp
 
 
@@ -115,6 +115,15 @@ class ReductionToOneDevice(CrossDeviceOps):
     """
 
     def __init__(self, reduce_to_device: str | None = None, accumulation_fn: Callable | None = None):
+        if reduce_to_device is not None:
+            try:
+                reduce_to_device = canonical_name(reduce_to_device)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"ReductionToOneDevice's reduce_to_device must name a device such as 'GPU:0' or "
+                                f"'CPU:0'. Received: {reduce_to_device!r}.") from None
+        if accumulation_fn is not None and not callable(accumulation_fn):
+            raise TypeError(f"ReductionToOneDevice's accumulation_fn must be callable. Received: "
+                            f"{type(accumulation_fn).__name__}.")
         self.reduce_to_device = reduce_to_device
         self.accumulation_fn = accumulation_fn
 

@@ -494,3 +494,18 @@ def test_gathers_of_values_in_the_other_byte_order_give_native_results_ragged_or
         for result in [*strategy.experimental_local_results(gathered), strategy.gather(values, axis=0)]:
             assert np.asarray(result).dtype == np.float32
             np.testing.assert_array_equal(result, expected)
+
+
+@pytest.mark.parametrize("device, error", [("nonsense", ValueError), (5, TypeError)])
+def test_reduction_to_one_device_checks_its_device_when_made(device, error):
+    # before: accepted, and used (or failed in the backend) at the first reduction
+    with pytest.raises(error, match=r"ReductionToOneDevice's reduce_to_device must name a device such as 'GPU:0'"):
+        ReductionToOneDevice(reduce_to_device=device)
+    assert ReductionToOneDevice("/device:CPU:1").reduce_to_device == "CPU:1"
+    with pytest.raises(TypeError, match="accumulation_fn must be callable"):
+        ReductionToOneDevice(accumulation_fn="sum")
+
+
+def test_communication_options_are_where_tensorflow_code_looks_for_them():
+    assert distrib.experimental.CommunicationOptions is distrib.CommunicationOptions
+    assert distrib.experimental.CommunicationImplementation is distrib.CommunicationImplementation
