@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import numbers
 import re
+import warnings
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -14,9 +15,10 @@ from distrib.checkpoint import restore_deferred
 from distrib.distributed_variables import DistributedVariable, MirroredVariable
 from distrib.interrupts import deferred_interrupts
 from distrib.options import ReduceOp
+from distrib.plan import dtype_name
 from distrib.training_dtypes import check_trainable_dtype, compute_dtype
 from distrib.values import DistributedValues, PerReplica
-from distrib.variables import Variable, VariableAggregation, write_serials
+from distrib.variables import IndexedSlices, Variable, VariableAggregation, scatter_rows, write_serials
 
 __all__ = ["Adam", "Optimizer", "SGD"]
 
@@ -132,24 +134,44 @@ class Optimizer:
 
     # -- applying ---------------------------------------------------------------------------------------
 
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], name: str | None = None,
+                        skip_gradients_aggregation: bool = False, experimental_aggregate_gradients: bool = True
+                        ) -> Any:
         """Applies (gradient, variable) pairs; returns `iterations`. See `apply`, which also checks that there is
-        one gradient per variable (a `zip` of unequal lists is cut short before it gets here)."""
+        one gradient per variable (a `zip` of unequal lists is cut short before it gets here).
+
+        `name` is accepted and ignored, as in TensorFlow 2 (it named a graph scope). `skip_gradients_aggregation=
+        True` or `experimental_aggregate_gradients=False` (Keras's two spellings) mean the gradients are
+        aggregated already: no all-reduce, and each copy of a mirrored variable is updated with its own replica's
+        gradient, as Keras's `extended.update(var, fn, args=(grad,))` does. They must then be equal on every
+        replica; like TensorFlow, distrib does not check, and different ones leave the copies different.
+        """
         pairs = list(grads_and_vars)
         for position, pair in enumerate(pairs):
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
                 raise TypeError(f"apply_gradients needs (gradient, variable) pairs. Received: {pair!r} at "
                                 f"position {position}.")
-        return self.apply([g for g, _ in pairs], [v for _, v in pairs])
+        aggregate = not skip_gradients_aggregation and experimental_aggregate_gradients
+        return self._apply([g for g, _ in pairs], [v for _, v in pairs], bool(aggregate))
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any]) -> Any:
-        """Applies one gradient per variable (None: skip that variable); returns `iterations`.
+        """Applies one gradient per variable (None: skip that variable, with a warning); returns `iterations`.
+
+        A gradient is an array of the variable's shape, or an `IndexedSlices` (rows of a sparse gradient, e.g. an
+        embedding's), which each replica densifies on its variable's device before the all-reduce: repeated rows
+        add up. For Adam and plain SGD that is Keras's sparse update (moments decay on every row); SGD with
+        momentum updates only the rows some replica's IndexedSlices names, as Keras's sparse momentum kernel does.
 
         Raises:
           ValueError: different numbers of gradients and variables; a gradient whose shape is not its
             variable's; every gradient None; a variable of another strategy.
-          TypeError: something that is not a floating-point variable of this strategy.
+          TypeError: something that is not a floating-point variable of this strategy; a gradient that is not
+            an array of floating-point numbers (complex, integer, bool, ragged lists, objects).
+          IndexError: IndexedSlices indices outside the variable's rows.
         """
+        return self._apply(grads, trainable_variables, True)
+
+    def _apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any], aggregate: bool) -> Any:
         grads, variables = list(grads), list(trainable_variables)
         if len(grads) != len(variables):
             raise ValueError(f"apply needs one gradient per variable. Received: {len(grads)} gradients for "
@@ -161,39 +183,106 @@ class Optimizer:
         kept = [(g, v) for g, v in zip(grads, variables) if g is not None]
         if not kept:
             raise ValueError(f"No gradients provided for any variable: {[v.name for v in variables]}.")
-        if applied_elsewhere:
-            return strategy.extended._apply_optimizer(self, [g for g, _ in kept], [v for _, v in kept])
-        for grad, var in kept:
-            _check_gradient_shape(grad, var)
-        grads, variables = [g for g, _ in kept], [v for _, v in kept]
         replica_context = context.get_replica_context()
+        if len(kept) < len(variables) and (replica_context is None or replica_context.replica_id_in_sync_group == 0):
+            # Keras's warning, once per step rather than once per replica
+            missing = [getattr(v, "name", v) for g, v in zip(grads, variables) if g is None]
+            warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the loss.", stacklevel=3)
+        if applied_elsewhere:  # each worker's gradients apply as they are there: nothing to aggregate
+            if any(isinstance(g, IndexedSlices) for g, _ in kept):
+                raise TypeError(f"Optimizers under {type(strategy).__name__} take dense gradients. Received: an "
+                                f"IndexedSlices for a variable; pass the dense gradient.")
+            kept = [(_checked_gradient(g, v), v) for g, v in kept]
+            return strategy.extended._apply_optimizer(self, [g for g, _ in kept], [v for _, v in kept])
+        grads, variables, touched = [], [], []
+        for grad, var in kept:
+            if type(grad) is not np.ndarray or grad.dtype.kind != "f":  # the usual gradient needs neither step
+                grad, rows = self._dense_gradient(_checked_gradient(grad, var), var)
+            else:
+                rows = _DENSE
+            _check_gradient_shape(grad, var)
+            grads.append(grad)
+            variables.append(var)
+            touched.append(rows)
+        if not self._rows_only:
+            touched = None  # the same on every replica: merge_call's args must have one structure
         if replica_context is None:
-            return self._apply_cross_replica(strategy, grads, variables)
-        return replica_context.merge_call(self._apply_cross_replica, args=(grads, variables))
+            return self._apply_cross_replica(strategy, grads, variables, touched, aggregate)
+        if touched is None and aggregate:  # the usual step: two arguments fewer for merge_call to regroup
+            return replica_context.merge_call(self._apply_cross_replica, args=(grads, variables))
+        return replica_context.merge_call(self._apply_cross_replica, args=(grads, variables, touched, aggregate))
 
-    def _apply_cross_replica(self, strategy: Any, grads: list, variables: list) -> Any:
-        """The merge: one packed MEAN reduction, then the update of every copy of every variable."""
+    _rows_only = False  # whether an IndexedSlices gradient updates only its rows (Keras's sparse momentum)
+
+    def _dense_gradient(self, grad: Any, var: Any) -> tuple[Any, Any]:
+        """(`grad`, _DENSE), or for an IndexedSlices (also inside a PerReplica) its dense array on the variable's
+        device and, where the update is row-wise (`_rows_only`), a float32 marker of its rows."""
+        if isinstance(grad, DistributedValues):
+            if not any(isinstance(c, IndexedSlices) for c in grad.values):
+                return grad, _DENSE
+            components = var.values if isinstance(var, DistributedVariable) else (var,) * len(grad.values)
+            pairs = [self._dense_gradient(c, component) for c, component in zip(grad.values, components)]
+            rows = [r for _, r in pairs]
+            return PerReplica(tuple(d for d, _ in pairs)), (PerReplica(tuple(rows)) if self._rows_only else None)
+        if not isinstance(grad, IndexedSlices):
+            return grad, _DENSE
+        component = var._get() if isinstance(var, DistributedVariable) else var
+        try:  # the checks of Variable.scatter_*: integer indices within the rows, values of shape indices + rows
+            indices, values = component._sparse_operands("apply_gradients", grad)
+        except (TypeError, ValueError, IndexError) as error:  # named after the variable, not its copy
+            raise type(error)(str(error).replace(repr(component.name), repr(var.name))) from None
+        backend = component._backend
+        with backend.device_scope(component.device):
+            dense = backend.xp.zeros(component.shape, values.dtype)
+            scatter_rows(backend.xp, dense, "scatter_add", indices, values)  # Keras sums repeated rows too
+            if not self._rows_only:
+                return dense, None
+            rows = backend.xp.zeros(component.shape[0], np.float32)
+            rows[indices.reshape(-1)] = 1
+        return dense, rows
+
+    def _apply_cross_replica(self, strategy: Any, grads: list, variables: list, touched: list | None = None,
+                             aggregate: bool = True) -> Any:
+        """The merge: one packed MEAN reduction (unless the gradients come aggregated), then the update of every
+        copy of every variable."""
         self._build(strategy, variables)
         extended = strategy.extended
-        destinations = [v if isinstance(v, DistributedVariable) else v.device for v in variables]
-        reduced = extended.batch_reduce_to(ReduceOp.MEAN, list(zip(grads, destinations)))
+        # rows of row-wise updates: only where every replica gave IndexedSlices (a dense one anywhere makes the
+        # sum dense, as in TensorFlow); their MEAN is nonzero on the rows that any replica named
+        rows = [None if t is _DENSE or (isinstance(t, DistributedValues) and any(c is _DENSE for c in t.values))
+                else t for t in touched] if touched is not None else [None] * len(variables)
+        if aggregate:
+            destinations = [v if isinstance(v, DistributedVariable) else v.device for v in variables]
+            sparse = [k for k, r in enumerate(rows) if r is not None]
+            reduced = extended.batch_reduce_to(ReduceOp.MEAN, list(zip(grads, destinations)) +
+                                               [(rows[k], destinations[k]) for k in sparse])
+            grads = reduced[:len(grads)]
+            for k, r in zip(sparse, reduced[len(grads):]):
+                rows[k] = r
         step = self._iterations_count() + 1
-        groups: dict[tuple[str, np.dtype], list] = {}  # (device, compute dtype) -> [(copy, gradient, slot copies)]
+        # (device, compute dtype, row-wise) -> [(copy, gradient, slot copies[, rows])]
+        groups: dict[tuple[str, np.dtype, bool], list] = {}
         # `groups` is bound rather than passed in args: update unwraps args per copy, and walking every variable
         # filed so far at each call made a step quadratic in the number of variables
-        collect = functools.partial(self._collect, groups)
+        collect = functools.partial(self._collect, groups, None)
         backend = extended.backend
         # Ctrl-C lands before the step's writes or after all of them; one block for the whole step, so that each
         # update filing a variable's copies nests in it instead of swapping the SIGINT handler twice
         with deferred_interrupts():
-            for var, grad in zip(variables, reduced):
+            for var, grad, var_rows in zip(variables, grads, rows):
                 slots = [PerReplica(s.values) if isinstance(s, DistributedVariable) else s
                          for s in self._slots[var].values()]  # update hands each copy its own slot copies
-                extended.update(var, collect, args=(grad, *slots), group=False)
-            for (device, dtype), items in groups.items():  # the backend's fused kernels if any, else array math
-                coefficients = self._coefficients(dtype, step)
+                if var_rows is None:  # dense: an argument fewer for update to unwrap per copy
+                    extended.update(var, collect, args=(grad, *slots), group=False)
+                else:
+                    extended.update(var, lambda copy, rows, g, *s: self._collect(groups, rows, copy, g, *s),
+                                    args=(var_rows, grad, *slots), group=False)
+            for (device, dtype, row_wise), items in groups.items():  # the backend's fused kernels if any, else
+                coefficients = self._coefficients(dtype, step)       # array math
                 with backend.device_scope(device):
-                    if not backend.fused_optimizer_update(self._rule, items, coefficients):
+                    if row_wise:  # no fused kernel updates some rows only
+                        self._update_rows(backend.xp, items, coefficients)
+                    elif not backend.fused_optimizer_update(self._rule, items, coefficients):
                         self._update_device(backend.xp, items, coefficients)
             self.iterations.assign_add(1)
             self._counted = (write_serials(self._iterations), step)
@@ -205,14 +294,25 @@ class Optimizer:
         counted = self._counted
         return counted[1] if counted and counted[0] == write_serials(self._iterations) else int(self.iterations.numpy())
 
-    def _collect(self, groups: dict, component: Variable, grad: Any, *slots: Variable) -> None:
-        """`extended.update`'s fn: files one copy of one variable, with its gradient on its device, by group."""
+    def _collect(self, groups: dict, rows: Any, component: Variable, grad: Any, *slots: Variable) -> None:
+        """`extended.update`'s fn: files one copy of one variable, with its gradient on its device, by group (rows:
+        None for a dense update, else the marker of the rows a row-wise one writes)."""
         dtype = compute_dtype(component.dtype)
-        grad = self._strategy.extended.backend.to_device(grad, component.device).astype(dtype, copy=False)
-        groups.setdefault((component.device, dtype), []).append((component, grad, slots))
+        backend = self._strategy.extended.backend
+        grad = backend.to_device(grad, component.device).astype(dtype, copy=False)
+        if rows is None:
+            groups.setdefault((component.device, dtype, False), []).append((component, grad, slots))
+        else:
+            rows = backend.xp.flatnonzero(backend.to_device(rows, component.device))
+            groups.setdefault((component.device, dtype, True), []).append((component, grad, slots, rows))
 
     def _update_device(self, xp: Any, items: list[tuple[Variable, Any, tuple]], coefficients: tuple) -> None:
         """Updates (variable copy, gradient, slot copies) triples on one device, writing in place."""
+        raise NotImplementedError
+
+    def _update_rows(self, xp: Any, items: list[tuple[Variable, Any, tuple, Any]], coefficients: tuple) -> None:
+        """Like `_update_device`, for the rows `rows` of each (variable copy, gradient, slot copies, rows) only;
+        for optimizers with `_rows_only`."""
         raise NotImplementedError
 
     def _coefficients(self, dtype: np.dtype, step: int) -> tuple:
@@ -261,6 +361,9 @@ class Optimizer:
         return slot
 
 
+_DENSE = np.zeros(0, np.float32)  # `touched`'s marker of a dense gradient: one object, so regroup keeps it
+
+
 def _check_variable(strategy: Any, var: Any, position: int) -> None:
     if isinstance(var, DistributedVariable):
         if var._strategy is not strategy:
@@ -290,6 +393,56 @@ def _check_gradient_shape(grad: Any, var: Any) -> None:
         if tuple(np.shape(component)) != tuple(var.shape):
             raise ValueError(f"A gradient must have its variable's shape. Received: shape "
                              f"{tuple(np.shape(component))} for variable {var.name!r} of shape {var.shape}.")
+
+
+def _regrouped_slices(grad: IndexedSlices) -> Any:
+    """A PerReplica of IndexedSlices for IndexedSlices of PerReplica values or indices (what a distributed
+    function returning IndexedSlices gives, as a NamedTuple is a structure); else `grad` itself."""
+    parts = [p for p in (grad.values, grad.indices) if isinstance(p, DistributedValues)]
+    if not parts:
+        return grad
+    count = len(parts[0].values)
+    pick = lambda p, i: p.values[i] if isinstance(p, DistributedValues) else p  # noqa: E731
+    return PerReplica(tuple(IndexedSlices(pick(grad.values, i), pick(grad.indices, i), grad.dense_shape)
+                            for i in range(count)))
+
+
+def _checked_gradient(grad: Any, var: Any) -> Any:
+    """`grad`, a list made an array, after checking that it holds floating-point numbers: its values are cast to
+    the variable's compute dtype, and a complex, integer or bool gradient is a mistake that cast would hide (TF2's
+    Keras refuses any dtype but the variable's; distrib, like Keras 3, casts between floating-point dtypes)."""
+    if isinstance(grad, IndexedSlices):
+        grad = _regrouped_slices(grad)
+    if isinstance(grad, IndexedSlices):
+        _check_gradient_dtype(grad.values, var)
+        return grad
+    if isinstance(grad, DistributedValues):
+        for component in grad.values:
+            _check_gradient_dtype(component.values if isinstance(component, IndexedSlices) else component, var)
+        return grad
+    return _check_gradient_dtype(grad, var)
+
+
+def _check_gradient_dtype(grad: Any, var: Any) -> Any:
+    dtype = getattr(grad, "dtype", None)
+    if dtype is None or isinstance(grad, (list, tuple)):  # lists, numbers, __array__ objects: NumPy's reading
+        try:
+            grad = np.asarray(grad)
+        except ValueError as error:  # ragged nesting
+            raise TypeError(f"A gradient must be an array of numbers for variable {var.name!r}. Received: a "
+                            f"ragged {type(grad).__name__} ({error}).") from None
+        dtype = grad.dtype
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:  # another library's dtype (torch.float32): by its name, or left to the copy to NumPy
+        try:
+            dtype = np.dtype(str(dtype).rsplit(".", 1)[-1])
+        except TypeError:
+            return grad
+    if dtype.kind != "f" and dtype_name(dtype) != "bfloat16":
+        raise TypeError(f"A gradient must hold floating-point numbers for variable {var.name!r} of dtype "
+                        f"{var.dtype}. Received: dtype {dtype}.")
+    return grad
 
 
 class SGD(Optimizer):
@@ -327,6 +480,9 @@ class SGD(Optimizer):
         self.momentum = _hyperparameter(momentum, "momentum", "[0, 1]")
         self.nesterov = bool(nesterov)
         self.slot_names = ("momentum",) if self.momentum else ()
+        # Keras's sparse momentum kernel (ResourceSparseApplyKerasMomentum) leaves unnamed rows alone: their
+        # momentum neither decays nor moves the weights, unlike a dense zero gradient's
+        self._rows_only = bool(self.momentum)
 
     @property
     def _rule(self) -> str:
@@ -350,6 +506,15 @@ class SGD(Optimizer):
                 xp.add(w, momentum * m - lr * grad, out=w, casting="same_kind")
             else:
                 xp.add(w, m, out=w, casting="same_kind")
+
+    def _update_rows(self, xp, items, coefficients):
+        lr, momentum = coefficients
+        for var, grad, slots, rows in items:
+            w, m = var._writable(), slots[0]._writable()
+            g = grad[rows]
+            accum = momentum * m[rows] - lr * g
+            m[rows] = accum
+            w[rows] = w[rows] + (momentum * accum - lr * g if self.nesterov else accum)
 
     def __repr__(self) -> str:
         return (f"<SGD name={self.name!r} learning_rate={self.learning_rate} momentum={self.momentum} "

@@ -345,11 +345,143 @@ def test_none_gradients_are_skipped(strategies):
     strategy = strategies[4]
     used, unused = make_variables(strategy, [np.zeros(2, np.float32), np.zeros(2, np.float32)])
     opt = optimizers.SGD(learning_rate=1.0, momentum=0.5)
-    apply_in_replicas(strategy, opt, [used, unused], lambda r: [np.ones(2, np.float32), None])
+    with pytest.warns(UserWarning, match=r"Gradients do not exist for variables \['w1'\] when minimizing the "
+                                         r"loss") as caught:  # Keras's warning
+        apply_in_replicas(strategy, opt, [used, unused], lambda r: [np.ones(2, np.float32), None])
+    assert len(caught) == 1  # once per step, not once per replica
     assert_every_copy(used, [-1, -1], np.float32)
     assert_every_copy(unused, [0, 0], np.float32)
     with pytest.raises(KeyError, match="SGD has no slots for variable 'w1' yet"):
         opt.get_slot(unused, "momentum")
+
+
+# -- sparse gradients (IndexedSlices) --------------------------------------------------------------------
+
+
+def replica_slices(r):
+    """Replica r's rows of a (5, 2) gradient: row r twice (repeats add up) and row 4, which every replica names."""
+    return distrib.IndexedSlices(np.array([[1, 2], [3, 4], [5, 6]], np.float32) * (r + 1), np.array([r, r, 4]))
+
+
+def densified(r):
+    dense = np.zeros((5, 2), np.float32)
+    np.add.at(dense, replica_slices(r).indices, replica_slices(r).values)
+    return dense
+
+
+@pytest.mark.parametrize("config", ["sgd", "adam"])
+def test_indexed_slices_apply_as_their_dense_gradient_for_sgd_and_adam(strategies, config):
+    # Keras's sparse SGD (a scatter-add) and Adam (moments decay on every row, the gradient scatters in) equal
+    # the dense update of the densified gradient
+    strategy, (make_optimizer, _) = strategies[4], CONFIGS[config]
+    initial = np.arange(10, dtype=np.float32).reshape(5, 2)
+    (sparse_w,) = make_variables(strategy, [initial])
+    (dense_w,) = make_variables(strategy, [initial])
+    sparse_opt, dense_opt = make_optimizer(), make_optimizer()
+    for _ in range(3):
+        apply_in_replicas(strategy, sparse_opt, [sparse_w], lambda r: [replica_slices(r)])
+        apply_in_replicas(strategy, dense_opt, [dense_w], lambda r: [densified(r)])
+    assert_every_copy(sparse_w, dense_w.numpy(), np.float32)
+    if config == "adam":
+        assert_every_copy(sparse_opt.get_slot(sparse_w, "v"), dense_opt.get_slot(dense_w, "v").numpy(), np.float32)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_indexed_slices_with_momentum_update_only_the_rows_some_replica_names(strategies, nesterov):
+    # Keras's ResourceSparseApplyKerasMomentum: other rows keep their momentum and their weights
+    strategy = strategies[4]
+    initial = np.arange(10, dtype=np.float32).reshape(5, 2)
+    (w,) = make_variables(strategy, [initial])
+    opt = optimizers.SGD(learning_rate=0.1, momentum=0.9, nesterov=nesterov)
+    apply_in_replicas(strategy, opt, [w], lambda r: [np.ones((5, 2), np.float32)])  # momentum on every row
+    apply_in_replicas(strategy, opt, [w], lambda r: [replica_slices(r) if r < 2 else
+                                                     distrib.IndexedSlices(np.ones((1, 2), np.float32), [4])])
+    expected, m = initial.astype(np.float64), np.zeros((5, 2))
+    for g, rows in [(np.ones((5, 2)), [0, 1, 2, 3, 4]), (sum(densified(r) for r in range(2)) / 4, [0, 1, 4])]:
+        if rows == [0, 1, 4]:
+            g[4] = (densified(0)[4] + densified(1)[4] + 2) / 4
+        m[rows] = 0.9 * m[rows] - 0.1 * g[rows]
+        expected[rows] += 0.9 * m[rows] - 0.1 * g[rows] if nesterov else m[rows]
+    assert_every_copy(w, expected, np.float32)
+    assert_every_copy(opt.get_slot(w, "momentum"), m, np.float32)
+
+
+def test_a_dense_gradient_on_any_replica_makes_a_momentum_update_dense(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros((5, 2), np.float32)])
+    opt = optimizers.SGD(learning_rate=1.0, momentum=0.5)
+    apply_in_replicas(strategy, opt, [w], lambda r: [np.ones((5, 2), np.float32)])
+    # replica 0's zeros name no row, yet its dense gradient decays row 0's momentum and moves it
+    apply_in_replicas(strategy, opt, [w], lambda r: [replica_slices(r) if r else np.zeros((5, 2), np.float32)])
+    mean = sum(densified(r) for r in range(1, 4)) / 4
+    expected = reference_sgd(np.zeros((5, 2)), [np.ones((5, 2)), mean], 1.0, 0.5)
+    assert_every_copy(w, expected, np.float32)
+
+
+def test_indexed_slices_cross_replica_and_without_a_strategy(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros((5, 2), np.float32)])
+    opt = optimizers.SGD(learning_rate=1.0)
+    per_replica = strategy.experimental_distribute_values_from_function(
+        lambda ctx: replica_slices(ctx.replica_id_in_sync_group))
+    with strategy.scope():
+        opt.apply_gradients([(per_replica, w)])
+    assert_every_copy(w, -sum(densified(r) for r in range(4)) / 4, np.float32)
+    plain = distrib.Variable(np.zeros((5, 2), np.float64), name="plain")
+    optimizers.Adam(learning_rate=0.5).apply_gradients([(replica_slices(0), plain)])
+    np.testing.assert_allclose(plain.numpy(), reference_adam(np.zeros((5, 2)), [densified(0)], 0.5))
+
+
+def test_indexed_slices_are_checked_like_scatters(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros((5, 2), np.float32)])
+    opt = optimizers.Adam()
+    cases = [(IndexError, r"apply_gradients needs indices in \[0, 5\) for variable 'w0'. Received: index 5",
+              distrib.IndexedSlices(np.ones((1, 2), np.float32), np.array([5]))),
+             (TypeError, r"apply_gradients needs integer indices for variable 'w0'. Received: dtype float64",
+              distrib.IndexedSlices(np.ones((1, 2), np.float32), np.array([0.0]))),
+             (ValueError, r"needs values of shape indices.shape \+ variable.shape\[1:\] = \(1, 2\) for variable "
+                          r"'w0'. Received: shape \(1, 3\)",
+              distrib.IndexedSlices(np.ones((1, 3), np.float32), np.array([0]))),
+             (TypeError, r"A gradient must hold floating-point numbers for variable 'w0' of dtype float32. "
+                         r"Received: dtype complex64",
+              distrib.IndexedSlices(np.ones((1, 2), np.complex64), np.array([0])))]
+    for error, message, slices in cases:
+        with pytest.raises(error, match=message):
+            apply_in_replicas(strategy, opt, [w], lambda r, slices=slices: [slices])
+    assert_every_copy(w, np.zeros((5, 2)), np.float32)
+
+
+# -- gradients aggregated already --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", [dict(skip_gradients_aggregation=True), dict(experimental_aggregate_gradients=False)])
+def test_aggregated_gradients_apply_as_they_are_on_each_copy(strategies, monkeypatch, flag):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(3, np.float32)])
+    opt = optimizers.SGD(learning_rate=1.0)
+    reductions = []
+    batch_reduce_to = strategy.extended.batch_reduce_to
+    monkeypatch.setattr(strategy.extended, "batch_reduce_to",
+                        lambda op, pairs, *a: reductions.append(op) or batch_reduce_to(op, pairs, *a))
+
+    def step():  # each replica holds the SUM already, say; no MEAN of it follows
+        opt.apply_gradients([(np.full(3, 4.0, np.float32), w)], name="ignored", **flag)
+
+    strategy.run(step)
+    assert reductions == []
+    assert_every_copy(w, [-4, -4, -4], np.float32)
+    # each copy takes its own replica's gradient, as TensorFlow's extended.update(var, fn, args=(grad,)) does
+    strategy.run(lambda: opt.apply_gradients(
+        [(np.full(3, distrib.get_replica_context().replica_id_in_sync_group, np.float32), w)], **flag))
+    assert [c.numpy()[0] for c in w.values] == [-4, -5, -6, -7]
+
+
+def test_apply_gradients_accepts_a_name(strategies):
+    (w,) = make_variables(strategies[4], [np.zeros(2, np.float32)])
+    with strategies[4].scope():
+        optimizers.SGD(learning_rate=1.0).apply_gradients([(np.ones(2, np.float32), w)], name="step")
+    assert_every_copy(w, [-1, -1], np.float32)
 
 
 def test_repr():
@@ -378,6 +510,31 @@ def test_gradient_shapes_must_match_in_a_replica(strategies):
                                          r"for variable 'w0' of shape \(2, 3\)"):
         apply_in_replicas(strategy, opt, [w], lambda r: [np.ones((3, 2), np.float32)])
     assert_every_copy(w, np.zeros((2, 3)), np.float32)
+
+
+def test_gradients_of_numbers_that_are_not_floats_are_refused(strategies):
+    # a cast would drop imaginary parts and take bools and ints for numbers; TF2's Keras refuses dtypes that are
+    # not the variable's (distrib, like Keras 3, still casts one floating-point dtype to another)
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(2, np.float32)])
+    opt = optimizers.SGD(learning_rate=1.0)
+    for grad, dtype in [(np.ones(2, np.complex64), "complex64"), (np.ones(2, bool), "bool"),
+                        (np.ones(2, np.int32), "int32"), (np.array([object(), object()]), "object"),
+                        ({"a": 1}, "object")]:
+        with pytest.raises(TypeError, match=f"A gradient must hold floating-point numbers for variable 'w0' of "
+                                            f"dtype float32. Received: dtype {dtype}"):
+            apply_in_replicas(strategy, opt, [w], lambda r, grad=grad: [grad])
+    apply_in_replicas(strategy, opt, [w], lambda r: [np.ones(2, np.float64)])
+    apply_in_replicas(strategy, opt, [w], lambda r: [[1.0, 1.0]])
+    assert_every_copy(w, [-2, -2], np.float32)
+
+
+def test_a_ragged_list_gradient_is_refused(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros((2, 2), np.float32)])
+    with pytest.raises(TypeError, match="A gradient must be an array of numbers for variable 'w0'. Received: a "
+                                        "ragged list"):
+        apply_in_replicas(strategy, optimizers.Adam(), [w], lambda r: [[[1.0], [1.0, 2.0]]])
 
 
 def test_all_none_gradients(strategies):
