@@ -11,23 +11,12 @@ import sys
 import numpy as np
 
 import distrib
+from sharded_files import Files
 
 strategy = distrib.MultiWorkerMirroredStrategy(communication_options=distrib.CommunicationOptions(timeout_seconds=20))
 rank = strategy.cluster_resolver.task_id
 data = np.arange(12, dtype=np.float32)
 
-
-class Files:
-    """Batches that shard by file."""
-
-    def __init__(self, batches):
-        self.batches = batches
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def shard(self, num_shards, index):
-        return Files(self.batches[index::num_shards])
 
 
 def outcome(dataset) -> dict:

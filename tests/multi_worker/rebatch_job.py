@@ -17,24 +17,13 @@ import numpy as np
 from mpi4py import MPI
 
 import distrib
+from sharded_files import Files
 
 comm = MPI.COMM_WORLD
 strategy = distrib.MultiWorkerMirroredStrategy(communication_options=distrib.CommunicationOptions(timeout_seconds=20))
 G = 2 * strategy.num_replicas_in_sync
 data = np.arange(4 * G, dtype=np.float32)
 
-
-class Files:
-    """Batches that shard by file: shard i of n keeps every n-th one."""
-
-    def __init__(self, batches):
-        self.batches = batches
-
-    def __iter__(self):
-        return iter(self.batches)
-
-    def shard(self, num_shards, index):
-        return Files(self.batches[index::num_shards])
 
 
 def epoch(dataset) -> list:
