@@ -3,24 +3,32 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 import numbers
 import re
+import sys
 import warnings
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
 from distrib import context
+from distrib.backends.cpu import to_numpy
+from distrib import optimizers_schedules as schedules
 from distrib.checkpoint import restore_deferred
 from distrib.distributed_variables import DistributedVariable, MirroredVariable
+from distrib.gradients import (check_gradient_shape, checked_gradient, clip_by_global_norm, global_norm,
+                               squared_norm, squared_sum)
 from distrib.interrupts import deferred_interrupts
 from distrib.options import ReduceOp
-from distrib.plan import dtype_name
 from distrib.training_dtypes import check_trainable_dtype, compute_dtype
 from distrib.values import DistributedValues, PerReplica
 from distrib.variables import IndexedSlices, Variable, VariableAggregation, scatter_rows, write_serials
 
-__all__ = ["Adam", "Optimizer", "SGD"]
+__all__ = ["Adam", "Optimizer", "SGD", "schedules"]
+
+sys.modules.setdefault(f"{__name__}.schedules", schedules)  # `from distrib.optimizers.schedules import ...`
 
 
 def _hyperparameter(value: Any, argument: str, interval: str = "[0, inf)") -> float:
@@ -31,6 +39,30 @@ def _hyperparameter(value: Any, argument: str, interval: str = "[0, inf)") -> fl
     if not (value >= 0 and below):
         raise ValueError(f"{argument} must be in {interval}. Received: {value}.")
     return float(value)
+
+
+def _clip_argument(value: Any, argument: str) -> float | None:
+    """None, or a finite number of at least 0 (0 clips nothing, as in Keras)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{argument} must be a number or None. Received: {type(value).__name__}.")
+    if not (0 <= value < float("inf")):
+        raise ValueError(f"{argument} must be a finite number of at least 0 (None: no clipping). Received: {value}.")
+    return float(value)
+
+
+def _check_schedule(schedule: Callable) -> Callable:
+    """`schedule` if it can be called with one positional argument, the step."""
+    try:
+        inspect.signature(schedule).bind(0)
+    except TypeError:
+        raise TypeError(f"learning_rate must be a number or a schedule: a callable taking the step (the optimizer's "
+                        f"iterations) and returning the rate. Received: {schedule!r}, which cannot be called with "
+                        f"one argument.") from None
+    except ValueError:  # no signature to read (some builtins): trusted
+        pass
+    return schedule
 
 
 class Optimizer:
@@ -57,9 +89,29 @@ class Optimizer:
     of a list of variable copies on one device), and name their `_rule`, which a backend may apply instead as
     fused kernels (`Backend.fused_optimizer_update`); `_update_device` stays the reference.
 
+    `learning_rate` may be a schedule: any callable that takes the step and returns the rate, such as those of
+    `distrib.optimizers.schedules` (Keras's `LearningRateSchedule.__call__(step)`). It is called once per step, on
+    the host, in the merge, with `iterations` before the update (0 at the first step), so every replica and
+    device uses the same rate (on GPUs the fused kernels take it as a coefficient). `learning_rate` then reads
+    as the rate of the next step, `schedule(iterations)`, as in Keras 3. The schedule is code, not state: a
+    checkpoint saves `iterations`, and the schedule recomputes the rate from it.
+
+    Gradient clipping, Keras's (2.11 and 3): after the MEAN across replicas (Keras aggregates, then clips), on
+    each device with its array library, before the update. `clipnorm` scales each gradient whose L2 norm is
+    above it down to that norm (`g * clipnorm / max(norm(g), clipnorm)`); `global_clipnorm` scales all gradients
+    together when the norm of all of them at once is above it; `clipvalue` clips each element to
+    `[-clipvalue, clipvalue]`. At most one of the three may be set, as in Keras 3; 0 clips nothing, as in Keras.
+
     Args:
-      learning_rate: the step size, a float; may be changed between steps.
+      learning_rate: the step size, a float or a schedule; a float may be changed between steps.
       name: names `iterations` (`<name>/iterations`) and error messages.
+      clipnorm: None, or the largest L2 norm of each gradient.
+      clipvalue: None, or the largest absolute value of each gradient element.
+      global_clipnorm: None, or the largest L2 norm of all gradients together.
+
+    Raises:
+      ValueError: more than one of clipnorm, clipvalue and global_clipnorm; a negative or infinite one.
+      TypeError: a learning_rate that is neither a number nor a callable of one argument.
 
     Example:
       >>> import distrib, numpy as np
@@ -74,8 +126,16 @@ class Optimizer:
     slot_names: tuple[str, ...] = ()
     _rule = ""  # the update's name for Backend.fused_optimizer_update
 
-    def __init__(self, learning_rate: float, name: str):
+    def __init__(self, learning_rate: float | Callable, name: str, clipnorm: float | None = None,
+                 clipvalue: float | None = None, global_clipnorm: float | None = None):
+        self._schedule: Callable | None = None
+        self._scheduled: tuple[int, float] | None = None  # (step, the schedule's rate for it)
         self.learning_rate = learning_rate
+        clips = {"clipnorm": clipnorm, "clipvalue": clipvalue, "global_clipnorm": global_clipnorm}
+        if sum(value is not None for value in clips.values()) > 1:
+            raise ValueError(f"Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
+                             f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}.")
+        self.clipnorm, self.clipvalue, self.global_clipnorm = (_clip_argument(v, k) for k, v in clips.items())
         self.name = name
         self._strategy = context.get_strategy() if context.has_strategy() else None
         self._iterations: Variable | DistributedVariable | None = None
@@ -85,11 +145,50 @@ class Optimizer:
 
     @property
     def learning_rate(self) -> float:
-        return self._learning_rate
+        """The rate of the next step: the float given, or the schedule's value at `iterations` (Keras 3's reading)."""
+        if self._schedule is None:
+            return self._learning_rate
+        return self._scheduled_rate(self._iterations_count() if self._iterations is not None else 0)
 
     @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
+    def learning_rate(self, value: float | Callable) -> None:
+        if callable(value) and not isinstance(value, numbers.Real):
+            self._schedule, self._learning_rate = _check_schedule(value), None
+            return
+        if self._schedule is not None:
+            raise TypeError("This optimizer was created with a schedule as its `learning_rate`, hence its learning "
+                            "rate is not settable to a number. If you need the learning rate to be settable, "
+                            "create the optimizer with a float `learning_rate` (Keras's rule).")
         self._learning_rate = _hyperparameter(value, "learning_rate")
+
+    @property
+    def schedule(self) -> Callable | None:
+        """The learning-rate schedule, or None for a constant rate."""
+        return self._schedule
+
+    def _scheduled_rate(self, step: int) -> float:
+        """The schedule's rate at `step` (iterations before the update), checked to be a number of at least 0."""
+        value = self._schedule(step)
+        try:
+            if isinstance(value, (str, bytes)):
+                raise TypeError
+            rate = float(value)  # a Python or NumPy number, a 0-d array of any library
+        except (TypeError, ValueError):
+            raise TypeError(f"A learning_rate schedule must return a number. Received: {type(value).__name__} from "
+                            f"{self._schedule!r} at step {step}.") from None
+        if not 0 <= rate < float("inf"):
+            raise ValueError(f"A learning_rate schedule must return a number in [0, inf). Received: {rate} from "
+                             f"{self._schedule!r} at step {step}.")
+        return rate
+
+    def _rate(self, step: int) -> float:
+        """The learning rate of step `step` (counting from 1): the schedule is called once per step."""
+        if self._schedule is None:
+            return self._learning_rate
+        scheduled = self._scheduled
+        if scheduled is None or scheduled[0] != step:
+            scheduled = self._scheduled = (step, self._scheduled_rate(step - 1))
+        return scheduled[1]
 
     @property
     def iterations(self) -> Variable | DistributedVariable:
@@ -192,15 +291,19 @@ class Optimizer:
             if any(isinstance(g, IndexedSlices) for g, _ in kept):
                 raise TypeError(f"Optimizers under {type(strategy).__name__} take dense gradients. Received: an "
                                 f"IndexedSlices for a variable; pass the dense gradient.")
-            kept = [(_checked_gradient(g, v), v) for g, v in kept]
+            kept = [(checked_gradient(g, v), v) for g, v in kept]
+            if self._clips():  # on the worker, with NumPy: what the servers get is already clipped
+                arrays = [to_numpy(g.values[0] if isinstance(g, DistributedValues) else g).astype(
+                    compute_dtype(v.dtype), copy=False) for g, v in kept]  # the servers' dtype (float32 for halves)
+                kept = list(zip(self._clipped(np, arrays), [v for _, v in kept]))
             return strategy.extended._apply_optimizer(self, [g for g, _ in kept], [v for _, v in kept])
         grads, variables, touched = [], [], []
         for grad, var in kept:
             if type(grad) is not np.ndarray or grad.dtype.kind != "f":  # the usual gradient needs neither step
-                grad, rows = self._dense_gradient(_checked_gradient(grad, var), var)
+                grad, rows = self._dense_gradient(checked_gradient(grad, var), var)
             else:
                 rows = _DENSE
-            _check_gradient_shape(grad, var)
+            check_gradient_shape(grad, var)
             grads.append(grad)
             variables.append(var)
             touched.append(rows)
@@ -260,6 +363,8 @@ class Optimizer:
             for k, r in zip(sparse, reduced[len(grads):]):
                 rows[k] = r
         step = self._iterations_count() + 1
+        if self._schedule is not None:  # once per step, on the host: the same rate for every device
+            self._scheduled = (step, self._scheduled_rate(step - 1))
         # (device, compute dtype, row-wise) -> [(copy, gradient, slot copies[, rows])]
         groups: dict[tuple[str, np.dtype, bool], list] = {}
         # `groups` is bound rather than passed in args: update unwraps args per copy, and walking every variable
@@ -277,6 +382,8 @@ class Optimizer:
                 else:
                     extended.update(var, lambda copy, rows, g, *s: self._collect(groups, rows, copy, g, *s),
                                     args=(var_rows, grad, *slots), group=False)
+            if self._clips():
+                self._clip_groups(backend, groups, len(variables))
             for (device, dtype, row_wise), items in groups.items():  # the backend's fused kernels if any, else
                 coefficients = self._coefficients(dtype, step)       # array math
                 with backend.device_scope(device):
@@ -287,6 +394,51 @@ class Optimizer:
             self.iterations.assign_add(1)
             self._counted = (write_serials(self._iterations), step)
         return self.iterations
+
+    def _clips(self) -> bool:
+        """Whether the gradients are clipped (Keras's test: a value above 0)."""
+        return bool(self.clipnorm and self.clipnorm > 0 or self.global_clipnorm and self.global_clipnorm > 0 or
+                    self.clipvalue and self.clipvalue > 0)
+
+    def _clipped(self, xp: Any, grads: list) -> list:
+        """Keras's `_clip_gradients` on `grads`, arrays of one device: new arrays, nothing written in place (the
+        reduced gradient may be one buffer for several copies)."""
+        if self.clipnorm and self.clipnorm > 0:
+            clipped = []
+            for g in grads:  # Keras's _clip_by_norm: g * clipnorm / max(||g||, clipnorm)
+                clip = g.dtype.type(self.clipnorm)
+                clipped.append(g * (clip / xp.maximum(xp.sqrt(squared_sum(xp, g)), clip)))
+            return clipped
+        if self.global_clipnorm and self.global_clipnorm > 0:
+            return clip_by_global_norm(xp, grads, global_norm(xp, grads), self.global_clipnorm)
+        if self.clipvalue and self.clipvalue > 0:
+            return [xp.clip(g, -g.dtype.type(self.clipvalue), g.dtype.type(self.clipvalue)) for g in grads]
+        return grads
+
+    def _clip_groups(self, backend: Any, groups: dict, count: int) -> None:
+        """Clips the gradients filed in `groups` (the merge's), device by device. Each device holds a copy of every
+        variable's gradient (mirrored variables), so each computes the global norm itself; plain variables on
+        different devices (the default strategy) add up their devices' squared norms on the host instead."""
+        by_device: dict[str, list] = {}
+        for (device, _, _), items in groups.items():
+            by_device.setdefault(device, []).append(items)
+        total = None
+        if self.global_clipnorm and self.global_clipnorm > 0 and any(
+                sum(map(len, lists)) != count for lists in by_device.values()):
+            squares = 0.0
+            for device, lists in by_device.items():
+                with backend.device_scope(device):
+                    squares += float(squared_norm(backend.xp, [item[1] for items in lists for item in items]))
+            total = math.sqrt(squares)
+        for device, lists in by_device.items():
+            with backend.device_scope(device):
+                grads = [item[1] for items in lists for item in items]
+                if total is None:
+                    clipped = iter(self._clipped(backend.xp, grads))
+                else:
+                    clipped = iter(clip_by_global_norm(backend.xp, grads, total, self.global_clipnorm))
+                for items in lists:
+                    items[:] = [(item[0], next(clipped), *item[2:]) for item in items]
 
     def _iterations_count(self) -> int:
         """`iterations` as a Python int, read from the device only if something other than `apply` wrote it since
@@ -316,11 +468,19 @@ class Optimizer:
         raise NotImplementedError
 
     def _coefficients(self, dtype: np.dtype, step: int) -> tuple:
-        """This step's scalars in `dtype` (step counts from 1)."""
+        """This step's scalars in `dtype` (step counts from 1; the learning rate is `self._rate(step)`)."""
         raise NotImplementedError
 
+    def _repr_rate(self) -> str:
+        """`learning_rate=...` and the clipping argument set, for __repr__ (a schedule shows itself, uncalled)."""
+        text = f"learning_rate={self._schedule if self._schedule is not None else self._learning_rate!r}"
+        for name in ("clipnorm", "clipvalue", "global_clipnorm"):
+            if getattr(self, name) is not None:
+                text += f" {name}={getattr(self, name)}"
+        return text
+
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} name={self.name!r} learning_rate={self.learning_rate}>"
+        return f"<{type(self).__name__} name={self.name!r} {self._repr_rate()}>"
 
     # -- state: iterations and slots --------------------------------------------------------------------
 
@@ -387,64 +547,6 @@ def _check_variable(strategy: Any, var: Any, position: int) -> None:
     check_trainable_dtype(var)
 
 
-def _check_gradient_shape(grad: Any, var: Any) -> None:
-    components = grad.values if isinstance(grad, DistributedValues) else (grad,)
-    for component in components:
-        if tuple(np.shape(component)) != tuple(var.shape):
-            raise ValueError(f"A gradient must have its variable's shape. Received: shape "
-                             f"{tuple(np.shape(component))} for variable {var.name!r} of shape {var.shape}.")
-
-
-def _regrouped_slices(grad: IndexedSlices) -> Any:
-    """A PerReplica of IndexedSlices for IndexedSlices of PerReplica values or indices (what a distributed
-    function returning IndexedSlices gives, as a NamedTuple is a structure); else `grad` itself."""
-    parts = [p for p in (grad.values, grad.indices) if isinstance(p, DistributedValues)]
-    if not parts:
-        return grad
-    count = len(parts[0].values)
-    pick = lambda p, i: p.values[i] if isinstance(p, DistributedValues) else p  # noqa: E731
-    return PerReplica(tuple(IndexedSlices(pick(grad.values, i), pick(grad.indices, i), grad.dense_shape)
-                            for i in range(count)))
-
-
-def _checked_gradient(grad: Any, var: Any) -> Any:
-    """`grad`, a list made an array, after checking that it holds floating-point numbers: its values are cast to
-    the variable's compute dtype, and a complex, integer or bool gradient is a mistake that cast would hide (TF2's
-    Keras refuses any dtype but the variable's; distrib, like Keras 3, casts between floating-point dtypes)."""
-    if isinstance(grad, IndexedSlices):
-        grad = _regrouped_slices(grad)
-    if isinstance(grad, IndexedSlices):
-        _check_gradient_dtype(grad.values, var)
-        return grad
-    if isinstance(grad, DistributedValues):
-        for component in grad.values:
-            _check_gradient_dtype(component.values if isinstance(component, IndexedSlices) else component, var)
-        return grad
-    return _check_gradient_dtype(grad, var)
-
-
-def _check_gradient_dtype(grad: Any, var: Any) -> Any:
-    dtype = getattr(grad, "dtype", None)
-    if dtype is None or isinstance(grad, (list, tuple)):  # lists, numbers, __array__ objects: NumPy's reading
-        try:
-            grad = np.asarray(grad)
-        except ValueError as error:  # ragged nesting
-            raise TypeError(f"A gradient must be an array of numbers for variable {var.name!r}. Received: a "
-                            f"ragged {type(grad).__name__} ({error}).") from None
-        dtype = grad.dtype
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:  # another library's dtype (torch.float32): by its name, or left to the copy to NumPy
-        try:
-            dtype = np.dtype(str(dtype).rsplit(".", 1)[-1])
-        except TypeError:
-            return grad
-    if dtype.kind != "f" and dtype_name(dtype) != "bfloat16":
-        raise TypeError(f"A gradient must hold floating-point numbers for variable {var.name!r} of dtype "
-                        f"{var.dtype}. Received: dtype {dtype}.")
-    return grad
-
-
 class SGD(Optimizer):
     """Gradient descent, with optional (Nesterov) momentum, as Keras defines it.
 
@@ -455,10 +557,11 @@ class SGD(Optimizer):
     the variable's dtype, float32 for float16 variables.
 
     Args:
-      learning_rate: the step size `lr`, a float; may be changed between steps.
+      learning_rate: the step size `lr`, a float (may be changed between steps) or a schedule (see `Optimizer`).
       momentum: in [0, 1]; 0 means plain gradient descent and no slot.
       nesterov: whether to apply Nesterov momentum.
       name: names `iterations` and error messages.
+      clipnorm, clipvalue, global_clipnorm: gradient clipping, Keras's (see `Optimizer`); at most one.
 
     Example:
       >>> import distrib, numpy as np
@@ -474,9 +577,10 @@ class SGD(Optimizer):
       (array([0.95, 0.95], dtype=float32), array([-0.05, -0.05], dtype=float32))
     """
 
-    def __init__(self, learning_rate: float = 0.01, momentum: float = 0.0, nesterov: bool = False,
-                 name: str = "SGD"):
-        super().__init__(learning_rate, name)
+    def __init__(self, learning_rate: float | Callable = 0.01, momentum: float = 0.0, nesterov: bool = False,
+                 name: str = "SGD", *, clipnorm: float | None = None, clipvalue: float | None = None,
+                 global_clipnorm: float | None = None):
+        super().__init__(learning_rate, name, clipnorm, clipvalue, global_clipnorm)
         self.momentum = _hyperparameter(momentum, "momentum", "[0, 1]")
         self.nesterov = bool(nesterov)
         self.slot_names = ("momentum",) if self.momentum else ()
@@ -491,7 +595,7 @@ class SGD(Optimizer):
         return "nesterov" if self.nesterov else "momentum"
 
     def _coefficients(self, dtype, step):
-        return dtype.type(self.learning_rate), dtype.type(self.momentum)
+        return dtype.type(self._rate(step)), dtype.type(self.momentum)
 
     def _update_device(self, xp, items, coefficients):
         lr, momentum = coefficients
@@ -517,8 +621,7 @@ class SGD(Optimizer):
             w[rows] = w[rows] + (momentum * accum - lr * g if self.nesterov else accum)
 
     def __repr__(self) -> str:
-        return (f"<SGD name={self.name!r} learning_rate={self.learning_rate} momentum={self.momentum} "
-                f"nesterov={self.nesterov}>")
+        return f"<SGD name={self.name!r} {self._repr_rate()} momentum={self.momentum} nesterov={self.nesterov}>"
 
 
 class Adam(Optimizer):
@@ -532,11 +635,12 @@ class Adam(Optimizer):
     the variable's dtype, float32 for float16 variables.
 
     Args:
-      learning_rate: the step size `lr`, a float; may be changed between steps.
+      learning_rate: the step size `lr`, a float (may be changed between steps) or a schedule (see `Optimizer`).
       beta_1: decay of the first-moment estimate `m`, in [0, 1).
       beta_2: decay of the second-moment estimate `v`, in [0, 1).
       epsilon: added to `sqrt(v)` for numerical stability.
       name: names `iterations` and error messages.
+      clipnorm, clipvalue, global_clipnorm: gradient clipping, Keras's (see `Optimizer`); at most one.
 
     Example:
       >>> import distrib, numpy as np
@@ -553,9 +657,10 @@ class Adam(Optimizer):
     slot_names = ("m", "v")
     _rule = "adam"
 
-    def __init__(self, learning_rate: float = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-7, name: str = "Adam"):
-        super().__init__(learning_rate, name)
+    def __init__(self, learning_rate: float | Callable = 0.001, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-7, name: str = "Adam", *, clipnorm: float | None = None,
+                 clipvalue: float | None = None, global_clipnorm: float | None = None):
+        super().__init__(learning_rate, name, clipnorm, clipvalue, global_clipnorm)
         self.beta_1 = _hyperparameter(beta_1, "beta_1", "[0, 1)")
         self.beta_2 = _hyperparameter(beta_2, "beta_2", "[0, 1)")
         self.epsilon = _hyperparameter(epsilon, "epsilon")
@@ -563,7 +668,7 @@ class Adam(Optimizer):
     def _coefficients(self, dtype, step):  # Keras's casts: powers and lr_t in `dtype`, 1 - beta in Python
         one, t = dtype.type(1), dtype.type(step)
         beta_1_power, beta_2_power = dtype.type(self.beta_1) ** t, dtype.type(self.beta_2) ** t
-        lr_t = dtype.type(self.learning_rate) * np.sqrt(one - beta_2_power) / (one - beta_1_power)
+        lr_t = dtype.type(self._rate(step)) * np.sqrt(one - beta_2_power) / (one - beta_1_power)
         return lr_t, dtype.type(1 - self.beta_1), dtype.type(1 - self.beta_2), dtype.type(self.epsilon)
 
     def _update_device(self, xp, items, coefficients):
@@ -575,5 +680,5 @@ class Adam(Optimizer):
             xp.subtract(w, m * lr_t / (xp.sqrt(v) + epsilon), out=w, casting="same_kind")
 
     def __repr__(self) -> str:
-        return (f"<Adam name={self.name!r} learning_rate={self.learning_rate} beta_1={self.beta_1} "
+        return (f"<Adam name={self.name!r} {self._repr_rate()} beta_1={self.beta_1} "
                 f"beta_2={self.beta_2} epsilon={self.epsilon}>")

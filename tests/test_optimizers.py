@@ -682,3 +682,275 @@ def test_an_assigned_iterations_count_is_the_one_the_next_step_uses():
     expected = reference_adam(np.ones(3), [np.zeros(3)] * 100 + [np.full(3, 0.5)], 0.1)
     np.testing.assert_allclose(adam_step_from_ones(stepped, used), expected, rtol=1e-6)
     np.testing.assert_array_equal(adam_step_from_ones(stepped, used), adam_step_from_ones(unstepped, fresh))
+
+
+# -- learning-rate schedules --------------------------------------------------------------------------------
+
+schedules = optimizers.schedules
+STEPS = [0, 1, 5, 9, 10, 11, 25, 99, 100, 101, 1000]
+
+
+def keras_exponential(step, initial, decay_steps, rate, staircase):
+    """keras/optimizers/schedules/learning_rate_schedule.py: initial * rate ** p, p = step / decay_steps (floored)."""
+    p = step / decay_steps
+    return initial * rate ** (np.floor(p) if staircase else p)
+
+
+def keras_piecewise(step, boundaries, values):
+    """values[0] for step <= boundaries[0], values[i] for boundaries[i-1] < step <= boundaries[i], then values[-1]."""
+    if step <= boundaries[0]:
+        return values[0]
+    if step > boundaries[-1]:
+        return values[-1]
+    return next(v for low, high, v in zip(boundaries, boundaries[1:], values[1:-1]) if low < step <= high)
+
+
+def keras_cosine(step, initial, decay_steps, alpha):
+    fraction = min(step, decay_steps) / decay_steps
+    return initial * ((1 - alpha) * 0.5 * (1 + np.cos(np.pi * fraction)) + alpha)
+
+
+@pytest.mark.parametrize("staircase", [False, True])
+def test_exponential_decay_is_keras_formula(staircase):
+    schedule = schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.96, staircase=staircase)
+    for step in STEPS:
+        np.testing.assert_allclose(schedule(step), keras_exponential(step, 0.1, 10, 0.96, staircase), rtol=1e-12)
+    assert schedule(19) == (schedule(10) if staircase else schedule(19)) and (schedule(19) < schedule(10)) != staircase
+
+
+def test_piecewise_constant_decay_is_keras_formula():
+    schedule = schedules.PiecewiseConstantDecay([10, 100], [1.0, 0.5, 0.1])
+    for step in STEPS:
+        assert schedule(step) == keras_piecewise(step, [10, 100], [1.0, 0.5, 0.1])
+    assert [schedule(s) for s in (10, 11, 100, 101)] == [1.0, 0.5, 0.5, 0.1]  # intervals closed on the right
+    assert schedules.PiecewiseConstantDecay([5], [2.0, 3.0])(np.int64(6)) == 3.0
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.1])
+def test_cosine_decay_is_keras_formula(alpha):
+    schedule = schedules.CosineDecay(0.5, decay_steps=100, alpha=alpha)
+    for step in STEPS:
+        np.testing.assert_allclose(schedule(step), keras_cosine(step, 0.5, 100, alpha), rtol=1e-12, atol=1e-15)
+    assert schedule(100) == schedule(1000) == pytest.approx(0.5 * alpha)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: schedules.ExponentialDecay(0.1, 0, 0.9), ValueError, "decay_steps must be > 0. Received: 0"),
+    (lambda: schedules.CosineDecay(0.1, -5), ValueError, "decay_steps must be > 0. Received: -5"),
+    (lambda: schedules.ExponentialDecay("0.1", 10, 0.9), TypeError, "initial_learning_rate must be a finite number"),
+    (lambda: schedules.PiecewiseConstantDecay([1, 2], [1.0, 0.5]), ValueError,
+     "The length of boundaries should be 1 less than the length of values"),
+    (lambda: schedules.PiecewiseConstantDecay([2, 1], [1.0, 0.5, 0.1]), ValueError,
+     r"boundaries must be strictly increasing. Received: \[2, 1\]"),
+])
+def test_schedule_arguments_are_checked(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_schedules_import_as_a_module():
+    from distrib.optimizers.schedules import CosineDecay
+    assert CosineDecay is schedules.CosineDecay and "schedules" in optimizers.__all__
+
+
+def scheduled_rates(schedule, steps):
+    return [schedule(step) for step in range(steps)]  # step t uses the schedule at iterations = t before it
+
+
+@pytest.mark.parametrize("config", ["momentum", "adam"])
+def test_a_schedule_over_several_steps_on_four_replicas_matches_numpy(strategies, config):
+    strategy = strategies[4]
+    schedule = schedules.PiecewiseConstantDecay([1, 3], [0.1, 0.05, 0.01])
+    rng = np.random.default_rng(1)
+    initial = rng.standard_normal((3, 4))
+    steps = [[rng.standard_normal((3, 4)) for _ in range(4)] for _ in range(5)]  # per step, one per replica
+    with strategy.scope():
+        opt = (optimizers.SGD(schedule, momentum=0.9) if config == "momentum" else optimizers.Adam(schedule))
+    assert opt.learning_rate == 0.1 and opt.schedule is schedule
+    (w,) = make_variables(strategy, [initial])
+    for step, grads in enumerate(steps):
+        apply_in_replicas(strategy, opt, [w], lambda r, grads=grads: [grads[r]])
+        assert opt.learning_rate == schedule(step + 1)  # the next step's rate, as Keras 3 reads it
+    # the NumPy reference, by hand: the MEAN of the replicas' gradients, the schedule's rate at each step
+    var, m, v = initial.copy(), np.zeros((3, 4)), np.zeros((3, 4))
+    for t, (grads, lr) in enumerate(zip(steps, scheduled_rates(schedule, len(steps))), start=1):
+        g = np.mean(grads, axis=0)
+        if config == "momentum":
+            m = 0.9 * m - lr * g
+            var = var + m
+        else:
+            m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+            var = var - lr * np.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t) * m / (np.sqrt(v) + 1e-7)
+    assert_every_copy(w, var, np.float64)
+
+
+def test_a_callable_schedule_is_called_once_per_step_with_iterations(strategies):
+    strategy, calls = strategies[4], []
+
+    def schedule(step):
+        calls.append(step)
+        return np.float32(1.0 / (step + 1))  # a NumPy scalar is a number too
+
+    (w,) = make_variables(strategy, [np.zeros(2, np.float32)])
+    with strategy.scope():
+        opt = optimizers.SGD(learning_rate=schedule)
+    for _ in range(3):
+        apply_in_replicas(strategy, opt, [w], lambda r: [np.ones(2, np.float32)])
+    assert calls == [0, 1, 2]
+    assert_every_copy(w, [-(1 + 1 / 2 + 1 / 3)] * 2, np.float32)
+    with strategy.scope():
+        opt.iterations.assign(np.int64(9))  # a rewound or restored count is the step the schedule gets
+    apply_in_replicas(strategy, opt, [w], lambda r: [np.ones(2, np.float32)])
+    assert calls[-1] == 9
+
+
+def test_a_checkpoint_restores_the_step_a_schedule_reads(tmp_path, strategies):
+    strategy = strategies[4]
+    schedule = schedules.ExponentialDecay(0.5, decay_steps=2, decay_rate=0.5)
+    (w,) = make_variables(strategy, [np.zeros(2, np.float64)])
+    with strategy.scope():
+        opt = optimizers.SGD(schedule)
+    for _ in range(3):
+        apply_in_replicas(strategy, opt, [w], lambda r: [np.ones(2)])
+    path = distrib.Checkpoint(w=w, opt=opt).save(str(tmp_path / "ckpt"))
+    apply_in_replicas(strategy, opt, [w], lambda r: [np.ones(2)])
+    expected = w.numpy()
+
+    (restored_w,) = make_variables(strategy, [np.zeros(2, np.float64)])
+    with strategy.scope():
+        restored = optimizers.SGD(schedules.ExponentialDecay(0.5, decay_steps=2, decay_rate=0.5))
+    distrib.Checkpoint(w=restored_w, opt=restored).restore(path)
+    with strategy.scope():
+        restored.build([restored_w])  # its iterations get the saved count (else at its first step)
+    assert int(restored.iterations.numpy()) == 3 and restored.learning_rate == schedule(3)
+    apply_in_replicas(strategy, restored, [restored_w], lambda r: [np.ones(2)])
+    assert_every_copy(restored_w, expected, np.float64)
+    np.testing.assert_allclose(expected, [-sum(schedule(t) for t in range(4))] * 2)
+
+
+def test_schedule_refusals(strategies):
+    with pytest.raises(TypeError, match="learning_rate must be a number or a schedule: a callable taking the step"):
+        optimizers.SGD(learning_rate=lambda: 0.1)  # Keras 3's zero-argument callables are not schedules here
+    opt = optimizers.Adam(schedules.CosineDecay(0.1, 10))
+    with pytest.raises(TypeError, match="created with a schedule as its `learning_rate`, hence its learning rate is "
+                                        "not settable to a number"):
+        opt.learning_rate = 0.01
+    opt.learning_rate = schedules.CosineDecay(0.2, 10)  # a schedule replaces a schedule, as in Keras
+    assert opt.learning_rate == 0.2
+    assert repr(opt).startswith("<Adam name='Adam' learning_rate=CosineDecay(initial_learning_rate=0.2")
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(2, np.float32)])
+    for schedule, error, message in [(lambda step: "0.1", TypeError, "must return a number. Received: str"),
+                                     (lambda step: -1.0, ValueError, r"must return a number in \[0, inf\). Received: "
+                                                                     r"-1.0 from .* at step 0")]:
+        with strategy.scope():
+            bad = optimizers.SGD(schedule)
+        with pytest.raises(error, match=message):
+            apply_in_replicas(strategy, bad, [w], lambda r: [np.ones(2, np.float32)])
+    assert_every_copy(w, [0, 0], np.float32)
+
+
+# -- gradient clipping --------------------------------------------------------------------------------------
+
+
+def numpy_clip(grads, clipnorm=None, clipvalue=None, global_clipnorm=None):
+    """Keras's _clip_gradients in float64: tf.clip_by_norm, tf.clip_by_global_norm or tf.clip_by_value."""
+    if clipnorm:
+        return [g * clipnorm / max(np.linalg.norm(g), clipnorm) for g in grads]
+    if global_clipnorm:
+        norm = np.sqrt(sum(np.sum(g * g) for g in grads))
+        return [g * global_clipnorm / max(norm, global_clipnorm) for g in grads]
+    if clipvalue:
+        return [np.clip(g, -clipvalue, clipvalue) for g in grads]
+    return grads
+
+
+@pytest.mark.parametrize("clipping", [dict(clipnorm=1.0), dict(global_clipnorm=1.5), dict(clipvalue=0.3)])
+@pytest.mark.parametrize("config", ["momentum", "adam"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_clipping_applies_to_the_mean_of_the_replicas_gradients(strategies, clipping, config, dtype):
+    strategy = strategies[4]
+    rng = np.random.default_rng(2)
+    initial = [rng.standard_normal((3, 4)).astype(dtype), rng.standard_normal(5).astype(dtype)]
+    # per step, per replica, per variable; scaled so that some steps clip and, per replica, others would
+    steps = [[[rng.standard_normal(w.shape).astype(dtype) * scale for w in initial] for _ in range(4)]
+             for scale in (0.05, 2.0, 0.2, 5.0)]
+    with strategy.scope():
+        opt = (optimizers.SGD(0.1, momentum=0.9, **clipping) if config == "momentum"
+               else optimizers.Adam(0.01, **clipping))
+    variables = make_variables(strategy, initial)
+    for grads in steps:
+        apply_in_replicas(strategy, opt, variables, lambda r, grads=grads: grads[r])
+    mean = [[np.mean([replica[k].astype(np.float64) for replica in grads], axis=0) for k in range(2)]
+            for grads in steps]
+    clipped = [numpy_clip(g, **clipping) for g in mean]
+    reference = (lambda w, gs: reference_sgd(w, gs, 0.1, 0.9)) if config == "momentum" else \
+        (lambda w, gs: reference_adam(w, gs, 0.01))
+    for k, var in enumerate(variables):
+        assert_every_copy(var, reference(initial[k], [g[k] for g in clipped]), dtype)
+        unclipped = reference(initial[k], [g[k] for g in mean])
+        assert not np.allclose(unclipped, var.numpy(), **TOLERANCE[dtype])  # the test clips something
+
+
+def test_clipping_without_a_strategy_and_in_a_cross_replica_context(strategies):
+    a, b = distrib.Variable(np.zeros(2), name="a"), distrib.Variable(np.zeros(2), name="b")
+    opt = optimizers.SGD(learning_rate=1.0, global_clipnorm=1.0)
+    opt.apply_gradients([(np.array([3.0, 0.0]), a), (np.array([0.0, 4.0]), b)])
+    np.testing.assert_allclose(np.concatenate([a.numpy(), b.numpy()]), [-0.6, 0, 0, -0.8])
+    # gradients applied as they are (no all-reduce) to variables on different devices: the global norm still
+    # covers them all
+    c = distrib.Variable(np.zeros(2), name="c", device="CPU:1")
+    opt.apply_gradients([(np.array([3.0, 0.0]), a), (np.array([0.0, 4.0]), c)], skip_gradients_aggregation=True)
+    np.testing.assert_allclose(np.concatenate([a.numpy(), c.numpy()]), [-1.2, 0, 0, -0.8])
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(2)])
+    with strategy.scope():
+        optimizers.SGD(learning_rate=1.0, clipvalue=0.5).apply_gradients([(np.array([2.0, -0.25]), w)])
+    assert_every_copy(w, [-0.5, 0.25], np.float64)
+
+
+def test_clipping_a_zero_or_sparse_gradient(strategies):
+    strategy = strategies[4]
+    w, e = make_variables(strategy, [np.ones(3), np.zeros((4, 2))])
+    with strategy.scope():
+        opt = optimizers.SGD(learning_rate=1.0, momentum=0.5, global_clipnorm=1.0)
+    rows = lambda r: distrib.IndexedSlices(np.full((1, 2), 3.0), np.array([r % 2]), np.array([4, 2]))  # noqa: E731
+    apply_in_replicas(strategy, opt, [w, e], lambda r: [np.zeros(3), rows(r)])  # a zero norm does not divide by 0
+    assert_every_copy(w, np.ones(3), np.float64)
+    # the mean of the rows: 1.5 in rows 0 and 1, global norm 3, scaled by 1/3
+    assert_every_copy(e, [[-0.5, -0.5], [-0.5, -0.5], [0, 0], [0, 0]], np.float64)
+
+
+def test_skipping_aggregation_clips_each_replicas_own_gradient(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(2)])
+    with strategy.scope():
+        opt = optimizers.SGD(learning_rate=1.0, clipnorm=1.0)
+    strategy.run(lambda: opt.apply_gradients([(np.array([0.0, 2.0]), w)], skip_gradients_aggregation=True))
+    assert_every_copy(w, [0.0, -1.0], np.float64)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: optimizers.SGD(clipnorm=1.0, global_clipnorm=1.0), ValueError,
+     "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: clipnorm=1.0, clipvalue=None, "
+     "global_clipnorm=1.0"),
+    (lambda: optimizers.Adam(clipnorm=1.0, clipvalue=0.5), ValueError, "Only one of `clipnorm`, `clipvalue`"),
+    (lambda: optimizers.SGD(clipvalue=-1.0), ValueError,
+     r"clipvalue must be a finite number of at least 0 \(None: no clipping\). Received: -1.0"),
+    (lambda: optimizers.Adam(global_clipnorm=float("inf")), ValueError, "global_clipnorm must be a finite number"),
+    (lambda: optimizers.SGD(clipnorm=float("nan")), ValueError, "clipnorm must be a finite number"),
+    (lambda: optimizers.SGD(clipnorm="1"), TypeError, "clipnorm must be a number or None. Received: str"),
+])
+def test_clipping_arguments_are_checked(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_zero_clips_nothing_as_in_keras(strategies):
+    strategy = strategies[4]
+    (w,) = make_variables(strategy, [np.zeros(2)])
+    with strategy.scope():
+        opt = optimizers.SGD(learning_rate=1.0, clipnorm=0)
+    apply_in_replicas(strategy, opt, [w], lambda r: [np.array([3.0, 4.0])])
+    assert_every_copy(w, [-3.0, -4.0], np.float64)
+    assert repr(opt) == "<SGD name='SGD' learning_rate=1.0 clipnorm=0.0 momentum=0.0 nesterov=False>"
