@@ -332,10 +332,7 @@ class Variable(SparseWrites, _ArrayOperators, metaclass=_VariableMeta):
             raise ValueError(f"{method} needs a variable of rank 1 or more: indices select rows along axis 0. "
                              f"Received: variable {self._name!r} of shape ().")
         dtype = self._buffer.dtype
-        if (method in ("scatter_min", "scatter_max") and dtype.kind == "c") or \
-                (method != "scatter_update" and dtype.kind == "b"):
-            raise TypeError(f"{method} needs a variable of real numbers (TensorFlow has no such kernel for "
-                            f"{dtype}). Received: variable {self._name!r} of dtype {dtype}.")
+        check_scatter_kind(method, dtype, self._name)
         to_device = self._backend.to_device
         indices = to_device(sparse_delta.indices, self._device)
         values = sparse_delta.values
@@ -354,16 +351,7 @@ class Variable(SparseWrites, _ArrayOperators, metaclass=_VariableMeta):
         if tuple(values.shape) != expected:
             raise ValueError(f"{method} needs values of shape indices.shape + variable.shape[1:] = {expected} for "
                              f"variable {self._name!r}. Received: shape {tuple(values.shape)}.")
-        if not np.can_cast(values.dtype, dtype, casting="same_kind"):
-            raise TypeError(f"{method} cannot write dtype {values.dtype} into variable {self._name!r} of dtype "
-                            f"{dtype}.")
-        if values.dtype != dtype:
-            check_integers_fit(values, dtype, method, self._name)
-            values = values.astype(dtype)
-        if method == "scatter_div" and dtype.kind in "iu" and values.size and bool((values == 0).any()):
-            raise ValueError(f"{method} cannot divide integers by zero (variable {self._name!r}). Received: a zero "
-                             f"among the values.")
-        return indices, values
+        return indices, scatter_values(method, values, dtype, self._name, "values")
 
     def __repr__(self) -> str:
         return f"<Variable {self._name!r} shape={self.shape} dtype={self.dtype.name} device={self._device}>"
@@ -418,6 +406,29 @@ def _truncating_divide(a: Any, b: Any) -> Any:
     """Integer division rounding toward zero, as C and TensorFlow's kernels do (NumPy's // rounds down)."""
     quotient = a // b
     return quotient + ((quotient * b != a) & ((a < 0) != (b < 0)))
+
+
+def check_scatter_kind(method: str, dtype: np.dtype, name: str | None) -> None:
+    """Raises TypeError where TensorFlow has no `method` kernel for a variable of `dtype` (no min/max of complex
+    numbers; bool variables take scatter_update only)."""
+    if (method in ("scatter_min", "scatter_max") and dtype.kind == "c") or \
+            (method != "scatter_update" and dtype.kind == "b"):
+        raise TypeError(f"{method} needs a variable of real numbers (TensorFlow has no such kernel for {dtype}). "
+                        f"Received: variable {name!r} of dtype {dtype}.")
+
+
+def scatter_values(method: str, values: Any, dtype: np.dtype, name: str | None, what: str) -> Any:
+    """A scatter's `values` (`what` they are called, for messages) cast to the variable's `dtype`, once checked:
+    a cast of the same kind, integers that fit, no integer division by zero."""
+    if not np.can_cast(values.dtype, dtype, casting="same_kind"):
+        raise TypeError(f"{method} cannot write dtype {values.dtype} into variable {name!r} of dtype {dtype}.")
+    if values.dtype != dtype:
+        check_integers_fit(values, dtype, method, name)
+        values = values.astype(dtype)
+    if method == "scatter_div" and dtype.kind in "iu" and values.size and bool((values == 0).any()):
+        raise ValueError(f"{method} cannot divide integers by zero (variable {name!r}). Received: a zero among the "
+                         f"{what}.")
+    return values
 
 
 def check_integers_fit(array: Any, dtype: np.dtype, what: str, name: str | None) -> None:

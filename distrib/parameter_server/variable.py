@@ -12,7 +12,7 @@ from distrib import ray_runtime
 from distrib.parameter_server.shard_calls import lookup_rows
 from distrib.parameter_server.write_tags import next_tag
 from distrib.variables import (VariableAggregation, VariableSynchronization, _ArrayOperators, check_integers_fit,
-                               sparse_rows)
+                               check_scatter_kind, scatter_values, sparse_rows)
 
 
 class Pending:
@@ -215,11 +215,7 @@ def _check_operand(variable: Any, method: str, operand: np.ndarray) -> None:
 def _check_rows(variable: Any, method: str, indices: np.ndarray, updates: np.ndarray, rows: int) -> np.ndarray:
     """`updates` of the variable's dtype, once checked as distrib.Variable's scatters check theirs, before anything
     travels: row ids are integers in [0, rows); `updates` holds one row (of the variable's row shape) per id."""
-    dtype = variable.dtype
-    if (method in ("scatter_min", "scatter_max") and dtype.kind == "c") or \
-            (method != "scatter_update" and dtype.kind == "b"):
-        raise TypeError(f"{method} needs a variable of real numbers (TensorFlow has no such kernel for {dtype}). "
-                        f"Received: variable {variable.name!r} of dtype {dtype}.")
+    check_scatter_kind(method, variable.dtype, variable.name)
     if indices.dtype.kind not in "iu":
         raise TypeError(f"{method} needs integer row ids. Received: dtype {indices.dtype} for {variable.name!r}.")
     if indices.size and (indices.min() < 0 or indices.max() >= rows):
@@ -229,12 +225,4 @@ def _check_rows(variable: Any, method: str, indices: np.ndarray, updates: np.nda
     if updates.shape != expected:
         raise ValueError(f"{method} needs updates of shape {expected} (one row per id) for {variable.name!r}. "
                          f"Received: shape {updates.shape}.")
-    if not np.can_cast(updates.dtype, variable.dtype, casting="same_kind"):
-        raise TypeError(f"{method} cannot write dtype {updates.dtype} into variable {variable.name!r} of dtype "
-                        f"{variable.dtype}.")
-    check_integers_fit(updates, variable.dtype, method, variable.name)  # the cast below would wrap them
-    updates = updates.astype(dtype, copy=False)
-    if method == "scatter_div" and dtype.kind in "iu" and updates.size and bool((updates == 0).any()):
-        raise ValueError(f"{method} cannot divide integers by zero (variable {variable.name!r}). Received: a zero "
-                         f"among the updates.")
-    return updates
+    return scatter_values(method, updates, variable.dtype, variable.name, "updates")
