@@ -15,6 +15,7 @@ import numpy as np
 import safetensors.numpy
 
 from distrib.errors import CheckpointError
+from distrib.file_paths import file_in_the_way, names_a_folder
 
 # The header's `__metadata__` (strings only, as safetensors requires): FORMAT_KEY names the format, MANIFEST_KEY
 # holds the manifest as JSON, CHECKSUM_KEY the SHA-256 of the manifest and every tensor's bytes in manifest order.
@@ -93,15 +94,13 @@ def check_target(path: str | os.PathLike | bytes) -> str:
     """
     given = decode(path)
     absolute = os.path.abspath(given)
-    if given.endswith((os.sep, os.altsep or os.sep)) or os.path.isdir(absolute):
+    if names_a_folder(given):
         raise _os_error(errno.EISDIR, f"A checkpoint's path must name a file, not a folder. Received: {given!r}.")
     if os.path.lexists(absolute) and not os.path.isfile(absolute):
         raise _os_error(errno.EEXIST, f"A checkpoint's path must name a regular file or nothing yet: the save "
                                       f"replaces it. Received: {given!r}, which is not a regular file.")
-    folder = os.path.dirname(absolute)
-    while not os.path.lexists(folder):  # the nearest folder that exists must be one: the others are made
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
+    folder = file_in_the_way(absolute)
+    if folder is not None:
         raise _os_error(errno.ENOTDIR, f"A checkpoint's path must lie in a folder, and {folder!r} is a file. "
                                        f"Received: {given!r}.")
     return absolute

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from distrib.file_paths import file_in_the_way, names_a_folder
 from distrib.mpi_env import mpi_environment
 
 ENV = "DISTRIB_TIMELINE"
@@ -128,14 +129,11 @@ class Timeline:
 def _check_target(path: str) -> None:
     """Raises when a file cannot be at `path`: a folder is there, or a file holds the name of one of its folders."""
     message = f"A timeline needs a file it can write. Received: {path!r}"
-    absolute = os.path.abspath(path)
-    if path.endswith(os.sep) or os.path.isdir(absolute):
+    if names_a_folder(path):
         raise _with_message(IsADirectoryError(errno.EISDIR, ""), f"{message} (a folder; name a file in it, such "
                                                                   f"as trace.json).")
-    folder = os.path.dirname(absolute)
-    while not os.path.lexists(folder):  # the nearest that exists must be a folder: the missing ones are made
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
+    folder = file_in_the_way(path)
+    if folder is not None:
         raise _with_message(NotADirectoryError(errno.ENOTDIR, ""), f"{message} ({folder!r} is a file, not a "
                                                                     f"folder).")
 
