@@ -216,15 +216,17 @@ class DistributedDataset(_DatasetBase):
         self._open = _reiterable(dataset, "The dataset")
 
     def __iter__(self) -> DistributedIterator:
-        batches = self._open()
+        empty = EmptyBatches()
+        produce = (self._rebatched if self._each_worker_whole else self._split)(self._open(), empty)
+        return DistributedIterator(produce, self._options, self._element_spec, self._pace, step_or_end(
+            self._workers, self._options, empty, len(self._workers.devices), SHARD_EMPTY))
+
+    def _split(self, batches: Iterator, empty: EmptyBatches) -> Callable[[], Any]:
+        """`produce` for a worker that keeps its replicas' slices of every global batch (by data, or one worker):
+        TensorFlow's split of a batch of unknown size over every replica of every worker."""
         workers, options = self._workers, self._options
         local = len(workers.devices)
         slices, first = workers.num_replicas_in_sync, workers.first_local_replica
-        empty = EmptyBatches()
-        if self._each_worker_whole:
-            produce = self._rebatched(batches, empty)
-            return DistributedIterator(produce, options, self._element_spec, self._pace, step_or_end(
-                workers, options, empty, local, SHARD_EMPTY))
 
         def produce() -> Any:
             batch = next(batches, END)
@@ -238,8 +240,7 @@ class DistributedDataset(_DatasetBase):
             per_replica = [[a[start:stop] for a in arrays] for start, stop in bounds]
             return assemble(spec, place(workers, options, per_replica), workers.wraps_values)
 
-        return DistributedIterator(produce, options, self._element_spec, self._pace, step_or_end(
-            workers, options, empty, local, SHARD_EMPTY))
+        return produce
 
     def _rebatched(self, batches: Iterator, empty: EmptyBatches) -> Callable[[], Any]:
         """`produce` for a worker that reads whole batches: TensorFlow's legacy rebatch (batch sizes unknown in
