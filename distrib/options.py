@@ -240,20 +240,27 @@ class AutoShardPolicy(enum.Enum):
 class InputOptions:
     """Options for distributed input: device prefetch, replication mode, and sharding over workers."""
 
-    experimental_fetch_to_device: bool = True
+    experimental_fetch_to_device: bool | None = None  # None: True, as TensorFlow's
     experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER
     experimental_place_dataset_on_device: bool = False
     experimental_per_replica_buffer_size: int = 1
     auto_shard_policy: AutoShardPolicy = AutoShardPolicy.AUTO
 
     def __post_init__(self):
+        if self.experimental_fetch_to_device is None:
+            object.__setattr__(self, "experimental_fetch_to_device", True)
         if not isinstance(self.experimental_replication_mode, InputReplicationMode):
             raise TypeError("experimental_replication_mode must be an InputReplicationMode. "
                             f"Received: {self.experimental_replication_mode!r}.")
         if not isinstance(self.auto_shard_policy, AutoShardPolicy):
             raise TypeError(f"auto_shard_policy must be an AutoShardPolicy. Received: {self.auto_shard_policy!r}.")
         size = self.experimental_per_replica_buffer_size
-        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
-            raise ValueError(f"experimental_per_replica_buffer_size must be an int >= 1. Received: {size!r}.")
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
+            raise ValueError(f"experimental_per_replica_buffer_size must be an int >= 0 (0: no prefetching). "
+                             f"Received: {size!r}.")
         if self.experimental_place_dataset_on_device and self.experimental_fetch_to_device:
             raise ValueError("experimental_place_dataset_on_device=True requires experimental_fetch_to_device=False.")
+        if self.experimental_place_dataset_on_device and \
+                self.experimental_replication_mode is not InputReplicationMode.PER_REPLICA:
+            raise ValueError("experimental_place_dataset_on_device=True requires "
+                             "experimental_replication_mode=InputReplicationMode.PER_REPLICA (as in TensorFlow).")

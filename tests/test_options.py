@@ -193,16 +193,24 @@ def test_replication_mode_must_be_an_input_replication_mode():
         InputOptions(experimental_replication_mode="PER_REPLICA")
 
 
-@pytest.mark.parametrize("size", [0, -1, True, 1.5, "2"])
-def test_per_replica_buffer_size_must_be_a_positive_int(size):
-    with pytest.raises(ValueError, match="experimental_per_replica_buffer_size must be an int >= 1"):
+@pytest.mark.parametrize("size", [-1, True, 1.5, "2"])
+def test_per_replica_buffer_size_must_be_a_non_negative_int(size):
+    with pytest.raises(ValueError, match=r"experimental_per_replica_buffer_size must be an int >= 0 \(0: no "):
         InputOptions(experimental_per_replica_buffer_size=size)
 
 
-def test_placing_the_dataset_on_device_excludes_fetching_to_device():
+def test_fetch_to_device_none_means_true_as_in_tensorflow():
+    assert InputOptions(experimental_fetch_to_device=None).experimental_fetch_to_device is True
+    assert InputOptions(None).experimental_fetch_to_device is True
+
+
+def test_placing_the_dataset_on_device_excludes_fetching_to_device_and_needs_per_replica_mode():
     with pytest.raises(ValueError, match="experimental_place_dataset_on_device=True requires "
                                          "experimental_fetch_to_device=False"):
         InputOptions(experimental_place_dataset_on_device=True)
+    with pytest.raises(ValueError, match="experimental_place_dataset_on_device=True requires "
+                                         "experimental_replication_mode=InputReplicationMode.PER_REPLICA"):
+        InputOptions(experimental_place_dataset_on_device=True, experimental_fetch_to_device=False)
 
 
 def test_one_enum_coercer_takes_members_and_names_in_any_case_and_states_the_rule():

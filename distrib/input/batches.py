@@ -60,23 +60,33 @@ def batch_leaves(element: Any, backend: Backend, what: str) -> tuple[list, Any]:
     return arrays, spec
 
 
-# references to a leaf that nobody else holds, inside `captured`: the element (or the local naming a bare array),
-# the list of leaves, the comprehension's variable and getrefcount's argument
+# references to a leaf that nobody else holds, inside `captured`: its container (the element, or for a bare array
+# the caller's local and `element`), the list of leaves, the comprehension's variable and getrefcount's argument
 _OWN_REFERENCES = 4
+# references to an element container that nobody else holds: the caller's local, `element`, getrefcount's argument
+_OWN_CONTAINER_REFERENCES = 3
 
 
-def captured(arrays: list, backend: Backend) -> list:
-    """`arrays` (an element's leaves), copied where a prefetch thread reads them ahead on the emulator and someone
-    else may still write them.
+def captured(element: Any, arrays: list, spec: Any, backend: Backend, held: bool = False) -> list:
+    """`arrays` (the leaves of `element`), copied where they are read ahead on the emulator and someone else may
+    still write them: by a prefetch thread, or `held` past the next read of the same source by the caller.
 
     On emulated devices a replica's batch is a view of the element's own array. Read ahead, the iterator is
     already producing the next elements while the consumer uses this one: a loader that refills one buffer
     would overwrite rows not used yet (TensorFlow copies every element into a tensor). An array that owns its
-    memory and that only the element references (a fresh gather, np.stack...) cannot change, and is kept as is.
+    memory and that only the element references, in an element that only the caller references (a fresh
+    gather, np.stack..., yielded in a fresh dict), cannot change, and is kept as is. Elements nested deeper than
+    one container are copied whole: their inner containers could be the loader's.
     """
-    if backend.xp is not np or not reading_ahead():  # GPUs copy each batch to the device as it is produced
+    if backend.xp is not np or not (held or reading_ahead()):  # GPUs copy each batch to the device as produced
         return arrays
-    return [a if type(a) is np.ndarray and a.base is None and sys.getrefcount(a) <= _OWN_REFERENCES else a.copy()
+    if type(element) is np.ndarray:
+        own = _OWN_REFERENCES + 1
+    elif spec.num_nodes == len(arrays) + 1 and sys.getrefcount(element) <= _OWN_CONTAINER_REFERENCES:
+        own = _OWN_REFERENCES
+    else:  # the loader keeps the container (and may refill the arrays it holds), or containers are nested
+        return [a.copy() for a in arrays]
+    return [a if type(a) is np.ndarray and a.base is None and sys.getrefcount(a) <= own else a.copy()
             for a in arrays]
 
 

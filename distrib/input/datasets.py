@@ -20,9 +20,10 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from distrib.input.batches import (ArraySpec, EmptyBatches, assemble, batch_leaves, batch_rows, captured, place,
                                    split_bounds)
 from distrib.input.contexts import InputContext, InputWorkers
-from distrib.input.prefetch import END, Prefetcher
+from distrib.errors import OutOfRangeError
+from distrib.input.prefetch import END, Prefetcher, stop_reading_ahead
 from distrib.options import AutoShardPolicy, InputOptions, InputReplicationMode
-from distrib.values import unflatten
+from distrib.values import format_path, unflatten
 
 
 class Optional:
@@ -53,7 +54,8 @@ class DistributedIterator:
         self._element_spec = element_spec
         # the device buffers plus the one in use, doubled so that each side works in bursts of that size
         depth = max(4, 2 * (options.experimental_per_replica_buffer_size + 1))
-        self._prefetcher = Prefetcher(produce, depth, pace, finish)
+        self._prefetcher = Prefetcher(produce, depth, pace, finish,
+                                      read_ahead=options.experimental_per_replica_buffer_size > 0)
         weakref.finalize(self, self._prefetcher.close)
 
     def __iter__(self) -> "DistributedIterator":
@@ -63,8 +65,12 @@ class DistributedIterator:
         return self._prefetcher.get()
 
     def get_next(self) -> Any:
-        """The next step's per-replica values; StopIteration (OutOfRange in TensorFlow) at the end."""
-        return self._prefetcher.get()
+        """The next step's per-replica values; `distrib.errors.OutOfRangeError` at the end, as TensorFlow's
+        (`next()` raises StopIteration there; this is not one, which would silently end a caller's loop)."""
+        try:
+            return self._prefetcher.get()
+        except StopIteration:
+            raise OutOfRangeError("End of sequence: the distributed dataset is exhausted.") from None
 
     def get_next_as_optional(self) -> Optional:
         """The next step's values wrapped in an Optional that is empty once the data runs out."""
@@ -96,8 +102,20 @@ class _DatasetBase:
         self._pace: dict = {}  # the consumer's pace, learned in one epoch and used by the next
 
     def _record_spec(self, spec: Any, arrays: Sequence[Any]) -> None:
+        """Records the first element's spec; a later element of another structure or dtype is refused, as a
+        TensorFlow dataset's elements all have its one `element_spec` (trailing shapes may vary)."""
+        dtypes = [a.dtype for a in arrays]
         if self._spec is None:
+            self._first = (spec, dtypes)
             self._spec = unflatten(spec, [ArraySpec((None,) + tuple(a.shape[1:]), a.dtype) for a in arrays])
+        elif spec != self._first[0]:
+            raise ValueError(f"Every element of a dataset must have the structure of the first (its element_spec). "
+                             f"Received: {spec}, the first was {self._first[0]}.")
+        elif dtypes != self._first[1]:
+            k = next(k for k, (dtype, first) in enumerate(zip(dtypes, self._first[1])) if dtype != first)
+            raise TypeError(f"Every element of a dataset must have the dtypes of the first (its element_spec). "
+                            f"Received: {dtypes[k]} at path {format_path(spec.paths()[k])}, where the first element "
+                            f"had {self._first[1][k]}.")
 
     @property
     def element_spec(self) -> Any:
@@ -173,15 +191,15 @@ def _reiterable(source: Iterable, kind: str) -> Callable[[], Iterator]:
         raise TypeError(f"{kind} must be an iterable of batches, not a single {type(source).__name__} (which "
                         f"would be read {unit} by {unit}). Pass a list of batches, e.g. "
                         f"[x[i:i + 64] for i in range(0, len(x), 64)].")
-    opened = []
+    opened = [False]
 
     def open_epoch() -> Iterator:
         iterator = iter(source)
-        if iterator is source and opened and not _restarts_itself(source):
+        if iterator is source and opened[0] and not _restarts_itself(source):
             raise ValueError(f"{kind} is a one-shot iterator (e.g. a generator object) that was already consumed; "
                              f"pass a re-iterable (a list, or an object whose __iter__ starts over) to iterate "
                              f"more than one epoch.")
-        opened.append(True)
+        opened[0] = True
         return iterator
 
     return open_epoch
@@ -216,6 +234,7 @@ class DistributedDataset(_DatasetBase):
         self._open = _reiterable(dataset, "The dataset")
 
     def __iter__(self) -> DistributedIterator:
+        stop_reading_ahead(self._pace)  # earlier epochs' prefetch threads leave the source before it starts over
         empty = EmptyBatches()
         produce = (self._rebatched if self._each_worker_whole else self._split)(self._open(), empty)
         return DistributedIterator(produce, self._options, self._element_spec, self._pace, step_or_end(
@@ -227,13 +246,15 @@ class DistributedDataset(_DatasetBase):
         workers, options = self._workers, self._options
         local = len(workers.devices)
         slices, first = workers.num_replicas_in_sync, workers.first_local_replica
+        ended = [False]  # the source is not read past its end: an iterator that rewinds there would start over
 
         def produce() -> Any:
-            batch = next(batches, END)
+            batch = END if ended[0] else next(batches, END)
             if batch is END:
+                ended[0] = True
                 return NO_DATA
             arrays, spec = batch_leaves(batch, workers.backend, "dataset element")
-            arrays = captured(arrays, workers.backend)
+            arrays = captured(batch, arrays, spec, workers.backend)
             bounds = split_bounds(batch_rows(arrays, spec, "dataset element"), slices)[first:first + local]
             self._record_spec(spec, arrays)
             empty.remember(spec, arrays)
@@ -265,7 +286,7 @@ class DistributedDataset(_DatasetBase):
                     ended[0] = True
                     break
                 arrays, spec = batch_leaves(batch, workers.backend, "dataset element")
-                arrays = captured(arrays, workers.backend)
+                arrays = captured(batch, arrays, spec, workers.backend)
                 rows = batch_rows(arrays, spec, "dataset element")
                 self._record_spec(spec, arrays)
                 empty.remember(spec, arrays)
@@ -273,10 +294,7 @@ class DistributedDataset(_DatasetBase):
             if not pieces:
                 return NO_DATA
             taken = [pieces.popleft() for _ in range(min(local, len(pieces)))]
-            spec = taken[0][0]
-            if any(other != spec for other, _ in taken[1:]):
-                raise ValueError(f"The batches whose pieces meet in one step must have the same structure. "
-                                 f"Received: {[other for other, _ in taken]}.")
+            spec = taken[0][0]  # every batch's (`_record_spec` refuses another)
             per_replica = [arrays for _, arrays in taken]
             if len(per_replica) < local:  # the input ended mid-step
                 per_replica += empty.make(local - len(per_replica), SHARD_EMPTY)[1]
@@ -309,23 +327,26 @@ class DistributedDatasetsFromFunction(_DatasetBase):
         self._opens = [_reiterable(dataset_fn(ctx), "The dataset returned by dataset_fn") for ctx in contexts]
 
     def __iter__(self) -> DistributedIterator:
+        stop_reading_ahead(self._pace)  # earlier epochs' prefetch threads leave the sources before they start over
         pipelines = [open_epoch() for open_epoch in self._opens]
         workers, options = self._workers, self._options
         local = len(workers.devices)
-        pick = ((lambda r: pipelines[r]) if len(pipelines) == local else (lambda r: pipelines[0]))
+        shared = len(pipelines) != local  # one pipeline per worker feeds its replicas in turn
+        ended = [False] * len(pipelines)  # a pipeline is not read past its end (one that rewinds would start over)
         empty = EmptyBatches()
 
         def produce() -> Any:
-            elements = [next(pick(r), END) for r in range(local)]
-            if all(e is END for e in elements):
-                return NO_DATA
             per_replica, spec = [], None
-            for element in elements:
+            for r in range(local):
+                index = 0 if shared else r
+                element = END if ended[index] else next(pipelines[index], END)
                 if element is END:
+                    ended[index] = True
                     per_replica.append(None)
                     continue
                 arrays, element_spec = batch_leaves(element, workers.backend, "per-replica batch")
-                arrays = captured(arrays, workers.backend)
+                # a shared pipeline's element is held while the next replica's is read from it
+                arrays = captured(element, arrays, element_spec, workers.backend, held=shared and r < local - 1)
                 batch_rows(arrays, element_spec, "per-replica batch")
                 if spec is not None and element_spec != spec:
                     raise ValueError(f"Every replica's batch must have the same structure. Received: "
@@ -334,6 +355,8 @@ class DistributedDatasetsFromFunction(_DatasetBase):
                 empty.remember(spec, arrays)
                 self._record_spec(spec, arrays)
                 per_replica.append(arrays)
+            if spec is None:
+                return NO_DATA
             if None in per_replica:  # replicas whose pipelines ran out get empty batches
                 spec, blanks = empty.make(per_replica.count(None), RAN_OUT)
                 blanks = iter(blanks)

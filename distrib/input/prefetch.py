@@ -10,6 +10,8 @@ import time
 import weakref
 from typing import Any, Callable
 
+from distrib import context
+
 END = object()
 _thread_state = threading.local()  # `ahead`: set on prefetch threads, which produce steps before they are asked for
 
@@ -46,35 +48,47 @@ class Prefetcher:
     half the buffer to wake each other rarely. The thread holds no reference to the iterator that owns it, so
     dropping the iterator stops the thread. `finish`, if given, turns each produced item into the step on the
     consumer's thread, when the step is asked for (StopIteration from it ends the iteration).
+
+    The thread runs in the context (strategy scope) of the thread that created the prefetcher, as the steps
+    produced inline do. A new epoch of the same dataset first stops the threads of earlier epochs'
+    iterators (`stop_reading_ahead`), which may be inside the source's `__next__` still: a source that starts
+    over in `__iter__` would otherwise hand its first batch to the old iterator. `read_ahead=False` (TensorFlow's
+    `experimental_per_replica_buffer_size=0`) never starts the thread.
     """
 
     AHEAD_AFTER_SECONDS = 30e-6
 
     def __init__(self, produce: Callable[[], Any], depth: int, pace: dict,
-                 finish: Callable[[Any], Any] | None = None):
+                 finish: Callable[[Any], Any] | None = None, read_ahead: bool = True):
         self._produce, self._depth, self._pace, self._finish = produce, depth, pace, finish
         self._half = max(1, depth // 2)
         self._items: collections.deque = collections.deque()
         self._filled, self._drained = _Signal(), _Signal()
-        self._state = {"waiting": False, "stopped": False}
+        # "inline": the thread was stopped for a newer iterator of the same source; steps are produced inline
+        self._state = {"waiting": False, "stopped": False, "inline": not read_ahead}
         self._thread: threading.Thread | None = None
         self._returned_at: float | None = None
         self._done = False
-        if pace.get("ahead"):
+        self._context = list(context.thread_stack())
+        if pace.get("ahead") and read_ahead:
             self._start_thread()
 
     def _start_thread(self) -> None:
         self._pace["ahead"] = True
         self._thread = threading.Thread(
             target=self._fill, args=(self._produce, self._depth, self._half, self._items, self._filled,
-                                     self._drained, self._state),
+                                     self._drained, self._state, self._context),
             daemon=True, name="distrib-input-prefetch")
+        readers = self._pace.setdefault("readers", [])
+        readers[:] = [reader for reader in readers if reader[0].is_alive()]
+        readers.append((self._thread, self._state, self._drained))
         self._thread.start()
         _LIVE.add(self)
 
     @staticmethod
-    def _fill(produce, depth, half, items, filled, drained, state) -> None:
+    def _fill(produce, depth, half, items, filled, drained, state, stack) -> None:
         _thread_state.ahead = True
+        context.set_stack(stack)
         while not state["stopped"]:
             if len(items) >= depth:
                 filled.notify()
@@ -92,8 +106,9 @@ class Prefetcher:
     def get(self) -> Any:
         if self._done:
             raise StopIteration
-        if self._thread is None:
-            if self._returned_at is not None and self._consumer_is_busy(time.perf_counter() - self._returned_at):
+        if self._thread is None and not self._items:
+            if self._returned_at is not None and not self._state["inline"] and \
+                    self._consumer_is_busy(time.perf_counter() - self._returned_at):
                 self._start_thread()
             item = _produce_one(self._produce) if self._thread is None else self._pop()
         else:
@@ -131,6 +146,9 @@ class Prefetcher:
             try:
                 item = self._items.popleft()
             except IndexError:
+                if self._state["inline"]:  # the thread was stopped and joined: on from here without it
+                    self._thread = None
+                    return _produce_one(self._produce)
                 self._state["waiting"] = True
                 self._filled.wait(timeout=0.05)
                 self._state["waiting"] = False
@@ -144,6 +162,18 @@ class Prefetcher:
         self._done = True
         self._state["stopped"] = True
         self._drained.notify()
+
+
+def stop_reading_ahead(pace: dict) -> None:
+    """Stops the prefetch threads started with `pace` (a dataset's earlier iterators) and waits until each has
+    left the source; their iterators, if still used, go on producing their steps inline."""
+    for thread, state, drained in pace.pop("readers", ()):
+        if thread is threading.current_thread():  # a source that iterates its own dataset: nothing to wait for
+            continue
+        state["stopped"] = True
+        drained.notify()
+        thread.join()
+        state["inline"] = True  # only once the thread is out: the consumer then reads the source itself
 
 
 _LIVE: "weakref.WeakSet[Prefetcher]" = weakref.WeakSet()

@@ -262,14 +262,17 @@ def test_next_and_get_next_step_through_the_same_sequence(strategy):
     assert [int(strategy.experimental_local_results(v)[3][0]) for v in values] == [0, 1, 2]
 
 
-def test_the_end_raises_stop_iteration_again_and_again(strategy):
+def test_the_end_raises_out_of_range_from_get_next_and_stop_iteration_from_next_again_and_again(strategy):
     iterator = iter(strategy.experimental_distribute_dataset([np.zeros(4)]))
     iterator.get_next()
-    for _ in range(3):
-        with pytest.raises(StopIteration):
+    for _ in range(3):  # TensorFlow's get_next raises OutOfRangeError, which no loop mistakes for its end
+        with pytest.raises(distrib.errors.OutOfRangeError, match="End of sequence"):
             iterator.get_next()
-    with pytest.raises(StopIteration):
-        next(iterator)
+        with pytest.raises(StopIteration):
+            next(iterator)
+    iterator = iter(strategy.experimental_distribute_dataset([np.zeros(4)]))
+    with pytest.raises(distrib.errors.OutOfRangeError):  # not a silently shorter list
+        list(map(lambda _: iterator.get_next(), range(2)))
 
 
 def test_get_next_as_optional_is_empty_at_the_end(strategy):
@@ -660,11 +663,12 @@ def test_pieces_left_for_the_next_step_survive_a_loader_that_refills_its_buffer(
     assert local_steps(dataset) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9], [10, 11]]]
 
 
-def test_pieces_of_batches_of_other_structures_in_one_step_are_refused():
+def test_batches_of_another_structure_are_refused_before_their_pieces_meet_in_one_step():
     off = InputOptions(auto_shard_policy=AutoShardPolicy.OFF)
     dataset = DistributedDataset([{"x": np.arange(6)}, {"y": np.arange(6)}],
                                  workers(1, first_replica=1, all_replicas=3), off)
-    with pytest.raises(ValueError, match="pieces meet in one step must have the same structure"):
+    with pytest.raises(ValueError, match=r"must have the structure of the first \(its element_spec\)\. "
+                                         r"Received: PyTreeSpec\(\{'y': \*\}\), the first was"):
         list(dataset)
 
 
