@@ -128,11 +128,26 @@ class ReductionToOneDevice(CrossDeviceOps):
         self.accumulation_fn = accumulation_fn
 
     def batch_all_reduce(self, backend, op, per_replica, devices, options):
+        if op is ReduceOp.MEAN and len(devices) == 1:  # one replica in all: its value, as `_PackedAllReduce`'s
+            op = ReduceOp.SUM
         out = []
         for components in zip(*per_replica):
             total = _reduce_on(backend, op, components, self.reduce_to_device or devices[0], self.accumulation_fn)
             out.append(backend.broadcast(total, list(devices), timeout=options.timeout))
         return [list(values) for values in zip(*out)] if out else [[] for _ in devices]
+
+    def reduce_to(self, backend, op, components, devices, destinations, timeout=None):
+        # summed on reduce_to_device (else the first destination, or the first replica's device for the host) with
+        # accumulation_fn, whatever the destinations, as TensorFlow's reduce_implementation
+        target = self.reduce_to_device or (devices[0] if destinations[0] == HOST else destinations[0])
+        total = _reduce_on(backend, op, components, target, self.accumulation_fn)
+        if tuple(destinations) == (HOST,):
+            return [backend.to_host(total)]
+        return [total if d == target else backend.copy(total, d) for d in destinations]
+
+    def batch_reduce_to_host(self, backend, op, per_replica, devices, timeout=None):
+        return [self.reduce_to(backend, op, [values[v] for values in per_replica], devices, (HOST,), timeout)[0]
+                for v in range(len(per_replica[0]))]
 
     def __repr__(self) -> str:
         return f"ReductionToOneDevice(reduce_to_device={self.reduce_to_device!r})"
@@ -176,7 +191,12 @@ class _PackedAllReduce(CrossDeviceOps):
             self._plans[key] = plan
         return plan
 
+    _one_process = True  # devices are every replica: one device means one replica in all
+
     def batch_all_reduce(self, backend, op, per_replica, devices, options):
+        if op is ReduceOp.MEAN and len(devices) == 1 and self._one_process:
+            op = ReduceOp.SUM  # the MEAN of one replica's value is the value, integers staying integers (TensorFlow's
+            # shortcut for one value per PerReplica; a float divided by 1 is unchanged anyway)
         values = per_replica[0]
         if len(values) == 1:  # one value, as the last time (a step's usual all-reduce): the same plan, found by
             # identities and a shape comparison rather than by building and hashing a key (a dtype's hash walks its
@@ -247,6 +267,8 @@ class CollectiveAllReduce(NcclAllReduce):
     Args:
       num_packs: as for `NcclAllReduce`.
     """
+
+    _one_process = False  # other processes' replicas take part too
 
     def reduce_to(self, backend, op, components, devices, destinations, timeout=None):
         plan = self.all_reduce_plan([(components[0].shape, components[0].dtype)], op, len(devices), _DEFAULTS)

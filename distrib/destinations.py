@@ -9,6 +9,7 @@ import numpy as np
 from distrib.devices import HOST, canonical_name
 from distrib.distributed_variables import DistributedVariable
 from distrib.values import DistributedValues, PerReplica
+from distrib.variables import Variable
 
 
 def resolve_destinations(destinations: Any, devices: tuple[str, ...]) -> tuple[str, ...]:
@@ -33,9 +34,13 @@ def resolve_destinations(destinations: Any, devices: tuple[str, ...]) -> tuple[s
                          f"{devices}, 'CPU:0' or 'host' for the host CPU.")
     if isinstance(destinations, DistributedVariable):
         return destinations.devices
+    if isinstance(destinations, Variable):  # a plain variable (the default strategy's): its device
+        return resolve_destinations(destinations.device, devices)
     if isinstance(destinations, DistributedValues):
         if len(destinations.values) == len(devices):
             return devices
+        if len(destinations.values) == 1:  # one component (a reduction's result on one device): its device
+            return resolve_destinations(destinations.values[0], devices)
         raise ValueError(f"destinations has {len(destinations.values)} components but the strategy has "
                          f"{len(devices)} replicas.")
     if hasattr(destinations, "__dlpack_device__"):

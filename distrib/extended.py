@@ -25,11 +25,29 @@ from distrib.options import CommunicationOptions, ReduceOp, RunOptions
 from distrib.reduce_inputs import (PER_REPLICA, REDUCIBLE, check_reduce_inputs, component_array, never_placed,
                                    placed_batch)
 from distrib.replica_context import normalize_axes
-from distrib.values import (DistributedValues, Mirrored, PerReplica, is_zero_scalar, local_components, regroup,
-                            register_leaf_type, select_replicas)
+from distrib.values import (DistributedValues, Mirrored, PerReplica, flatten, is_zero_scalar, local_components,
+                            regroup, register_leaf_type, select_replicas, unflatten)
 from distrib.variables import Variable, VariableAggregation, VariableSynchronization, update_context
 
 NOT_NOW = object()  # `_run_at_once`: this run takes the general path
+
+
+def _sum_dtype(dtype: np.dtype) -> np.dtype | None:
+    """The dtype a partial sum keeps: the value's, in native byte order (a ufunc's dtype= takes no byte order);
+    None for booleans, which NumPy sums as integers."""
+    if dtype.kind == "b":
+        return None
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
+def _refuse_nested_distributed(value: Any, position: int) -> None:
+    """TypeError where a pair of batch_reduce_to holds distributed values inside a structure: taken as one plain
+    value, it would come back unreduced (MEAN) or be refused as non-distributed (SUM)."""
+    if isinstance(value, (dict, list, tuple)) and \
+            any(isinstance(leaf, DistributedValues) for leaf in flatten(value)[0]):
+        raise TypeError(f"batch_reduce_to takes one distributed value per (value, destinations) pair; pair "
+                        f"{position}'s value is a {type(value).__name__} holding distributed values. Pass each as a "
+                        f"pair of its own, or use reduce_to, which reduces a structure leaf by leaf.")
 
 
 class StrategyExtended(abc.ABC):
@@ -116,11 +134,17 @@ class StrategyExtended(abc.ABC):
         """Reduces `value` (usually a PerReplica) to `destinations`; returns a `Mirrored` there.
 
         A `Mirrored` value with MEAN is returned unchanged; a plain value with MEAN too; a plain value with SUM
-        on more than one replica raises ValueError (it would be counted once per replica).
+        on more than one replica raises ValueError (it would be counted once per replica). A nested structure
+        (a dict, list or tuple of values, as a merge_call hands its args) is reduced leaf by leaf, in one batch,
+        as TensorFlow maps its reduction over the structure.
         """
         context.require_cross_replica("reduce_to", self._strategy_ref())
         op = ReduceOp.from_value(reduce_op)
-        return self._batch_reduce_to(op, [(value, resolve_destinations(destinations, self._devices))], options)[0]
+        resolved = resolve_destinations(destinations, self._devices)
+        if isinstance(value, (dict, list, tuple)) and not isinstance(value, DistributedValues):
+            leaves, spec = flatten(value)
+            return unflatten(spec, self._batch_reduce_to(op, [(leaf, resolved) for leaf in leaves], options))
+        return self._batch_reduce_to(op, [(value, resolved)], options)[0]
 
     def batch_reduce_to(self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]],
                         options: CommunicationOptions | None = None) -> list:
@@ -188,6 +212,7 @@ class StrategyExtended(abc.ABC):
                 raise ValueError("reduce_to(SUM) of a Mirrored value would count it once per replica; a Mirrored "
                                  "value is already reduced. Reduce the PerReplica value it came from instead.")
             elif components is None:
+                _refuse_nested_distributed(value, k)
                 results[k] = self._reduce_non_distributed(op, value, destinations)
             elif len(components) != len(devices):
                 raise ValueError(f"reduce_to needs one component per replica ({len(devices)}). Received: "
@@ -249,9 +274,10 @@ class StrategyExtended(abc.ABC):
 
 
     def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
-        """Copies `tensor` to every destination device as a Mirrored; Python numbers are returned unchanged."""
+        """Copies `tensor` to every destination device as a Mirrored; Python numbers (bools too, as in
+        TensorFlow) are returned unchanged."""
         self._require_cross_replica("broadcast_to")
-        if isinstance(tensor, (int, float)) and not isinstance(tensor, bool):
+        if isinstance(tensor, (int, float)):
             return tensor
         return self._broadcast(tensor, self._destinations(destinations))
 
@@ -339,6 +365,40 @@ class StrategyExtended(abc.ABC):
                     results.append(fn(component, *per_args[i], **per_kwargs[i]))
         return regroup(results, Mirrored if group else PerReplica)
 
+    # -- TensorFlow's smaller StrategyExtended methods ------------------------------------------------------
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether `v` is a variable created while this strategy's scope was in effect."""
+        return isinstance(v, DistributedVariable) and v._strategy is self._container_strategy
+
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable that `value` (one of its per-replica components) belongs to; else `value`."""
+        ref = getattr(value, "_distributed_container", None)
+        container = ref() if ref is not None else None
+        return value if container is None else container
+
+    def non_slot_devices(self, var_list: Sequence[Any]) -> tuple[str, ...]:
+        """The devices of state not tied to one variable (an optimizer's step count): every replica's device."""
+        del var_list
+        return self._devices
+
+    def update_non_slot(self, colocate_with: Any, fn: Callable, args: Sequence = (), kwargs: dict | None = None,
+                        group: bool = True) -> Any:
+        """Runs `fn(*args_i, **kwargs_i)` once per device of `colocate_with` (from `non_slot_devices`) in an
+        update context, as `update` does per component; the results regrouped (Mirrored with `group`)."""
+        if not callable(fn):
+            raise TypeError(f"update_non_slot needs a callable fn. Received: {type(fn).__name__}.")
+        self._require_cross_replica("update_non_slot")
+        devices = (colocate_with,) if isinstance(colocate_with, str) else tuple(colocate_with)
+        per_args = select_replicas(tuple(args), len(devices), exact=False)
+        per_kwargs = select_replicas(kwargs or {}, len(devices), exact=False)
+        results = []
+        with self._container_strategy._enter_scope(), deferred_interrupts():
+            for i, device in enumerate(devices):
+                with update_context(i), self._backend.device_scope(device):
+                    results.append(fn(*per_args[i], **per_kwargs[i]))
+        return regroup(results, Mirrored if group else PerReplica)
+
     def _input_workers(self) -> InputWorkers:
         """This process's share of the input: one worker feeding every local replica."""
         return InputWorkers(self._backend, self._devices)
@@ -362,8 +422,7 @@ class StrategyExtended(abc.ABC):
             partial = []
             for array, device in zip(arrays, devices):
                 with backend.device_scope(device):  # each replica's partial sum on its own device and stream
-                    partial.append(backend.xp.sum(array, axis=axes,
-                                                  dtype=array.dtype if array.dtype.kind != "b" else None))
+                    partial.append(backend.xp.sum(array, axis=axes, dtype=_sum_dtype(array.dtype)))
             check_reduce_inputs(partial, k)
             sums.append(partial)
             counts.append([math.prod(a.shape[i] for i in axes) for a in arrays])

@@ -13,6 +13,7 @@ import numpy as np
 from distrib import context, timeline
 from distrib.errors import CollectiveMismatchError, ContextError
 from distrib.options import CommunicationOptions, ReduceOp
+from distrib.plan import is_inexact
 from distrib.replica_threads import name_replica
 from distrib.values import (LEAF_SPEC, LEAF_TYPES, DistributedValues, flatten, format_path, regroup, select_replicas,
                             structure_mismatch, unflatten)
@@ -134,8 +135,10 @@ class ReplicaContext:
         strategy = self._strategy
 
         def merge(payloads: list) -> list:
-            merged_args = regroup([p[0] for p in payloads])
-            merged_kwargs = regroup([p[1] for p in payloads])
+            merged_args = regroup([p[0] for p in payloads], rule="Every replica must pass merge_call the same "
+                                  "structure of args")
+            merged_kwargs = regroup([p[1] for p in payloads], rule="Every replica must pass merge_call the same "
+                                    "structure of kwargs")
             result = merge_fn(strategy, *merged_args, **merged_kwargs)
             return select_replicas(result, len(payloads))
 
@@ -191,7 +194,8 @@ class ReplicaContext:
         values = self.all_gather(value.values, 0, options)
         indices = self.all_gather(value.indices, 0, options)
         if op is ReduceOp.MEAN:
-            values = values / np.asarray(self.num_replicas_in_sync, values.dtype if values.dtype.kind in "fc" else None)
+            # a float divisor keeps a float dtype (bfloat16 too, NumPy kind 'V'); integers divide into floats
+            values = values / np.asarray(self.num_replicas_in_sync, values.dtype if is_inexact(values.dtype) else None)
         return IndexedSlices(values, indices, value.dense_shape)
 
     def all_gather(self, value: Any, axis: int, options: CommunicationOptions | None = None) -> Any:
@@ -242,17 +246,17 @@ class ReplicaContext:
         options = host._merged_options(options)
         leaves, spec = flatten(value)
         refused = None
-        try:
-            if spec is not LEAF_SPEC and _holds_sparse(spec):
-                raise TypeError(f"{kind} takes an IndexedSlices only as the whole value, not inside a structure "
-                                f"(its values, indices and shape would be treated as three arrays). Received: {spec}.")
-            arrays = host._to_replica_device(leaves, self._replica_id) if leaves else []
-            if check_leaves is not None and arrays:
-                check_leaves(arrays, spec)
-        except (ValueError, TypeError) as error:
-            # raised by the merge, once for every replica: where this replica raised alone, the others of its
-            # process went on to the collective, and its peer processes made it with theirs (wrong sums, or a wait)
-            arrays, refused = [], _distributed_leaf_error(kind, leaves, spec) or error
+        # a refusal is raised by the merge, once for every replica: where this replica raised alone, the others of
+        # its process went on to the collective, and its peer processes made it with theirs (wrong sums, or a wait)
+        if spec is not LEAF_SPEC and _holds_sparse(spec):
+            arrays, refused = [], _sparse_in_structure(kind, spec)
+        else:
+            try:
+                arrays = host._to_replica_device(leaves, self._replica_id) if leaves else []
+                if check_leaves is not None and arrays:
+                    check_leaves(arrays, spec)
+            except (ValueError, TypeError) as error:
+                arrays, refused = [], _distributed_leaf_error(kind, leaves, spec) or error
 
         def merge(payloads: list) -> list:
             for replica, payload in enumerate(payloads):
@@ -293,6 +297,16 @@ def _holds_sparse(spec: Any) -> bool:
             _SPARSE_IN_SPEC.clear()
         known = _SPARSE_IN_SPEC[spec] = f"{IndexedSlices.__name__}(" in repr(spec)
     return known
+
+
+def _sparse_in_structure(kind: str, spec: Any) -> Exception:
+    """The refusal of an IndexedSlices inside a collective's structure: all_gather takes none (TensorFlow's
+    NotImplementedError, as for one alone); all_reduce takes one only as the whole value."""
+    if kind == "all_gather":
+        return NotImplementedError(f"all_gather of an IndexedSlices is not supported, as in TensorFlow. Received: "
+                                   f"one inside {spec}.")
+    return TypeError(f"{kind} takes an IndexedSlices only as the whole value, not inside a structure (its values, "
+                     f"indices and shape would be treated as three arrays). Received: {spec}.")
 
 
 def _distributed_leaf_error(kind: str, leaves: list, spec: Any) -> TypeError | None:

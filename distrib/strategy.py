@@ -12,12 +12,14 @@ from distrib import context, timeline
 from distrib.backends import Backend, get_backend
 from distrib.backends.cpu import all_ndarrays
 from distrib.cross_device_ops import NcclAllReduce
+from distrib.distributed_variables import DistributedVariable
 from distrib.errors import ContextError
 from distrib.extended import NOT_NOW, StrategyExtended
 from distrib.input import DistributedDataset, DistributedDatasetsFromFunction, InputContext, ValueContext
 from distrib.options import CommunicationOptions, InputOptions, ReduceOp, RunOptions
 from distrib.replica_context import ReplicaContext, check_gather_shapes
 from distrib.values import PerReplica, flatten, local_components, map_structure, regroup, select_replica, unflatten
+from distrib.variables import Variable
 
 
 class Strategy:
@@ -312,8 +314,21 @@ class _DefaultExtended(StrategyExtended):
     def _call_for_each_replica(self, fn, args, kwargs, options=None):
         return fn(*select_replica(0, args), **select_replica(0, kwargs))
 
+    def variable_created_in_scope(self, v):
+        """Whether `v` is a variable of no strategy (created outside every strategy's scope), as TensorFlow's."""
+        return isinstance(v, Variable) and not isinstance(v, DistributedVariable)
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable):
+        """Nothing to colocate on one device: any variable is accepted, as TensorFlow's default strategy does."""
+        if not isinstance(colocate_with_variable, (Variable, DistributedVariable)):
+            raise ValueError(f"colocate_vars_with needs a variable. Received: {colocate_with_variable!r}.")
+        yield
+
     def _rendezvous(self, replica_id, kind, merge, payload, options):
         if kind == "all_reduce":  # one replica: nothing to reduce, the value comes back as it went in
+            if payload[3] is not None:  # values all_reduce refuses (strings): its error, as `merge` raises it
+                raise payload[3]
             return payload[1]
         with context.frame(self._container_strategy, None):
             return merge([payload])[0]

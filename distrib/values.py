@@ -195,6 +195,8 @@ def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool 
             path: tuple = ()) -> list[Any]:
     """select_replicas' work; `path` is where `structure` sits in what the user passed (for error messages)."""
     if type(structure) in _PLAIN_DISTRIBUTED:  # one PerReplica or Mirrored: its components, no structure walk
+        if _on_one_device(structure, count):
+            return [structure._values[0]] * len(replica_ids)
         problem = _missing_components(structure, count, exact)
         if problem is not None:
             raise ValueError(f"{problem} at path {format_path(path)}.")
@@ -214,6 +216,9 @@ def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool 
             picked = []
         if len(picked) == count:
             return [unflatten(spec, list(picked[i])) for i in replica_ids]
+    if any(_on_one_device(leaf, count) for leaf in leaves):
+        leaves = [leaf._values[0] if _on_one_device(leaf, count) else leaf for leaf in leaves]
+        structure = unflatten(spec, leaves)
     distributed = [k for k, leaf in enumerate(leaves) if type(leaf) in _PLAIN_DISTRIBUTED or
                    (isinstance(leaf, DistributedValues) and not is_distributed_variable(leaf))]
     if not distributed:
@@ -236,6 +241,12 @@ def _select(structure: Any, replica_ids: Sequence[int], count: int, exact: bool 
 _components = operator.attrgetter("_values")
 
 
+def _on_one_device(value: Any, count: int) -> bool:
+    """Whether `value` is a Mirrored on one device (reduced to one destination) handed to several replicas: the
+    same value for each, as TensorFlow hands each replica the tensor such a reduction returns."""
+    return type(value) is Mirrored and len(value._values) == 1 and count > 1
+
+
 def _missing_components(value: DistributedValues, count: int, exact: bool) -> str | None:
     """What is wrong unless `value` has `count` components (with `exact`) or at least `count`; else None."""
     have = len(value._values)
@@ -255,7 +266,8 @@ def is_zero_scalar(value: Any) -> bool:
     return isinstance(value, numbers.Number) and not isinstance(value, (bool, np.bool_)) and value == 0
 
 
-def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wrap: bool = False) -> Any:
+def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wrap: bool = False,
+            rule: str = "Every replica must return the same structure") -> Any:
     """Combines one structure per replica into one structure of distributed values (TensorFlow's rules).
 
     At each leaf the first matching rule wins: the same distributed variable everywhere -> it; the same object
@@ -263,7 +275,7 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     variable; otherwise `wrap_class(values)`.
 
     Raises:
-      ValueError: the replicas' structures differ; the message names the replica and the path.
+      ValueError: the replicas' structures differ; the message (`rule`, then where) names the replica and the path.
     """
     first = per_replica[0]
     kind = type(first)
@@ -282,8 +294,7 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     for replica_id, structure in enumerate(per_replica[1:], start=1):
         leaves, other_spec = flatten(structure)
         if other_spec != spec:
-            raise ValueError(structure_mismatch("Every replica must return the same structure", replica_id,
-                                                 spec.paths(), other_spec.paths(), spec, other_spec))
+            raise ValueError(structure_mismatch(rule, replica_id, spec.paths(), other_spec.paths(), spec, other_spec))
         columns.append(leaves)
     out = []
     for values in zip(*columns):

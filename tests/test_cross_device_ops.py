@@ -50,20 +50,21 @@ def make_values(num_devices: int, layout=LAYOUT, seed: int = 0) -> list[list[np.
     return [[rng.integers(-8, 9, size=shape).astype(dtype) for _ in range(num_devices)] for shape, dtype in layout]
 
 
-def reference(op: ReduceOp, components: list[np.ndarray]) -> np.ndarray:
+def reference(op: ReduceOp, components: list[np.ndarray], all_reduce: bool = False) -> np.ndarray:
     total = np.sum([c.astype(np.float64) for c in components], axis=0)
     dtype = components[0].dtype
-    if op is ReduceOp.SUM:
+    if op is ReduceOp.SUM or (all_reduce and len(components) == 1):  # TensorFlow's shortcut for one replica
         return total.astype(dtype)
     mean = total / len(components)
     return mean.astype(dtype) if dtype.kind == "f" else mean  # integer MEAN is a float, as in TensorFlow
 
 
-def assert_reduced(op: ReduceOp, result: np.ndarray, components: list[np.ndarray]):
-    want = reference(op, components)
+def assert_reduced(op: ReduceOp, result: np.ndarray, components: list[np.ndarray], all_reduce: bool = False):
+    """`all_reduce`: onto the components' own devices, where the MEAN of one replica's value is that value."""
+    want = reference(op, components, all_reduce)
     assert isinstance(result, np.ndarray)
     assert result.shape == want.shape
-    if op is ReduceOp.SUM or components[0].dtype.kind == "f":
+    if op is ReduceOp.SUM or components[0].dtype.kind == "f" or (all_reduce and len(components) == 1):
         assert result.dtype == components[0].dtype
     else:
         assert result.dtype.kind == "f"
@@ -118,7 +119,7 @@ def test_batch_all_reduce_matches_numpy(make_op, num_devices, reduce_op, options
     for components, per_device in zip(values, results):
         assert len(per_device) == num_devices
         for result in per_device:
-            assert_reduced(reduce_op, result, components)
+            assert_reduced(reduce_op, result, components, all_reduce=True)
 
 
 @pytest.mark.parametrize("make_op", OPS)

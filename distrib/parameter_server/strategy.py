@@ -187,6 +187,11 @@ class ParameterServerExtended(StrategyExtended):
                   for i, (ps, a, b) in enumerate(zip(placement, offsets, offsets[1:]))]
         return ShardedVariable(shards, name=name)
 
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether `v` is a parameter-server variable (one variable or the shards of one), as this strategy's
+        scope creates them."""
+        return isinstance(v, (ParameterServerVariable, ShardedVariable))
+
     def _partitions(self, value: np.ndarray, name: str) -> int:
         partitioner = self._container_strategy._partitioner
         if partitioner is None or value.ndim == 0:
