@@ -9,6 +9,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 from typing import Any
 
 import numpy as np
@@ -27,16 +28,19 @@ _VERSION_1_MAGIC = b"distrib-checkpoint\n"
 _DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "float16", "bfloat16", "uint32", "int32", "float32", "uint64",
            "int64", "float64")
 
-# Temporary files: ".<name>.<pid>.<8 hex>.tmp" beside the checkpoint; a long name is cut and given a digest.
+# Temporaries: a folder ".<name>.<pid>.<8 hex>.tmp" beside the checkpoint (a long name is cut and given a
+# digest), the file written inside it: safetensors writes a temporary of its own beside the file it is given,
+# which a killed save would leave behind under a name of safetensors' choosing. Earlier versions wrote the file
+# itself under that name; a stale one is removed as well.
 _TEMPORARY_TAIL = len(".") + len(".4194304.") + 8 + len(".tmp")
 
 
 def write(path: str | os.PathLike, arrays: dict[str, np.ndarray], manifest: dict) -> None:
     """Writes `arrays` (by key, in manifest order) and `manifest` to `path` atomically.
 
-    The file is written under a temporary name in the same folder, flushed to disk and renamed onto `path`, so
-    a crash leaves the previous checkpoint intact; an exception leaves no temporary file, and temporaries that
-    killed saves of `path` left behind are removed first. A path that cannot hold a file (a folder, under a
+    The file is written in a temporary folder beside `path`, flushed to disk and renamed onto `path`, so a
+    crash leaves the previous checkpoint intact; an exception leaves no temporary, and the temporaries that
+    killed saves of `path` left behind (safetensors' own among them) are removed first. A path that cannot hold a file (a folder, under a
     file) is refused before anything is written; every OSError names `path`, never the temporary.
     """
     path = check_target(path)
@@ -54,13 +58,15 @@ def write(path: str | os.PathLike, arrays: dict[str, np.ndarray], manifest: dict
         remove_stale_temporaries(path)
     except OSError as exc:
         raise _write_error(exc, path) from exc
-    temporary = os.path.join(directory, f"{_temporary_prefix(path)}{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    scratch = os.path.join(directory, f"{_temporary_prefix(path)}{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    temporary = os.path.join(scratch, "checkpoint")
     created = False
     try:
         # created here first: an unwritable folder then fails as an OSError with its errno, where safetensors
         # raises its own error type naming a temporary of its own
-        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.mkdir(scratch, 0o700)
         created = True
+        os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         _save_file(tensors, temporary, metadata)
         os.chmod(temporary, _new_file_mode())  # safetensors makes its files owner-only
         file = os.open(temporary, os.O_RDONLY)
@@ -71,11 +77,11 @@ def write(path: str | os.PathLike, arrays: dict[str, np.ndarray], manifest: dict
         os.replace(temporary, path)
     except BaseException as exc:
         if created:
-            with contextlib.suppress(OSError):
-                os.remove(temporary)
+            shutil.rmtree(scratch, ignore_errors=True)
         if isinstance(exc, OSError):
             raise _write_error(exc, path) from exc
         raise
+    shutil.rmtree(scratch, ignore_errors=True)
     with contextlib.suppress(OSError):  # makes the rename durable; not every system can open a folder
         folder = os.open(directory, os.O_RDONLY)
         try:
@@ -156,7 +162,8 @@ def _new_file_mode() -> int:
 
 
 def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
-    """Removes the temporaries of saves of `path` whose process is gone (killed mid-save); returns their paths."""
+    """Removes the temporaries of saves of `path` whose process is gone (killed mid-save), folders with what is in
+    them; returns their paths."""
     path = os.path.abspath(os.fsdecode(path))
     pattern = re.compile(re.escape(_temporary_prefix(path)) + r"(\d+)\.[0-9a-f]{8}\.tmp")
     removed = []
@@ -165,7 +172,10 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
             match = pattern.fullmatch(entry.name)
             if match and not _process_alive(int(match.group(1))):
                 with contextlib.suppress(FileNotFoundError):
-                    os.remove(entry.path)
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.remove(entry.path)
                     removed.append(entry.path)
     return removed
 

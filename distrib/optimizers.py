@@ -24,7 +24,8 @@ from distrib.interrupts import deferred_interrupts
 from distrib.options import ReduceOp
 from distrib.training_dtypes import check_trainable_dtype, compute_dtype
 from distrib.values import DistributedValues, PerReplica
-from distrib.variables import IndexedSlices, Variable, VariableAggregation, scatter_rows, write_serials
+from distrib.variables import (IndexedSlices, Variable, VariableAggregation, creation_order, scatter_rows,
+                               write_serials)
 
 __all__ = ["Adam", "Optimizer", "SGD", "schedules"]
 
@@ -198,8 +199,16 @@ class Optimizer:
         return self._iterations
 
     def variables(self) -> list:
-        """`iterations` and the slot variables created so far, in creation order (what a checkpoint saves)."""
-        return ([self._iterations] if self._iterations is not None else []) + list(self._slot_list)
+        """`iterations` and the slot variables created so far (what a checkpoint saves): each variable's slots in
+        the order those variables were created, whatever order the steps pass them in. A checkpoint tells slots
+        of variables with the same name apart by that order (`_1`, `_2`...), so a program that lists its
+        gradients in another order still restores each slot to its own variable."""
+        owners = list(self._slots)
+        serials = [creation_order(var) for var in owners]
+        if None not in serials:  # else (a parameter server's variables) the order the slots were made in
+            owners = [owners[k] for k in sorted(range(len(owners)), key=serials.__getitem__)]
+        slots = [slot for var in owners for slot in self._slots[var].values()]
+        return ([self._iterations] if self._iterations is not None else []) + slots
 
     def get_slot_names(self) -> list[str]:
         return list(self.slot_names)

@@ -46,6 +46,16 @@ class VariableAggregation(enum.Enum):
     ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
 
 
+_CREATION_ORDER = itertools.count()
+
+
+def creation_order(variable: Any) -> int | None:
+    """When `variable` (plain or distributed: its first copy's) was created among this process's variables; None
+    for a variable that keeps no such number (a parameter server's)."""
+    components = variable.values if getattr(variable, "_is_distributed_variable", False) else (variable,)
+    return getattr(components[0], "_created", None)
+
+
 def write_serials(variable: Any) -> tuple[int, ...]:
     """Changes whenever any copy of `variable` is written: while it stays, a host copy of the value stays right."""
     components = variable.values if getattr(variable, "_is_distributed_variable", False) else (variable,)
@@ -221,6 +231,8 @@ class Variable(SparseWrites, _ArrayOperators, metaclass=_VariableMeta):
         check_numeric(value.dtype)
         self._buffer = self._own(value)
         self._write_serial = 0  # changes at every write (see _writable): lets a reader keep a host copy of the value
+        self._created = next(_CREATION_ORDER)  # a program that creates its variables in the same order gives the
+        # same numbers again: optimizer slots of variables whose names repeat are saved in this order
         self.trainable = True if trainable is None else bool(trainable)
         self._name = name or "Variable"
         self._distributed_container: weakref.ref | None = None
