@@ -35,7 +35,8 @@ class History:
 
     @classmethod
     def load(cls, path: Path, epochs: int) -> "History":
-        """The first `epochs` epochs of a saved history (it is saved before the checkpoint, so it may hold more)."""
+        """The first `epochs` epochs of a saved history (a history may hold more epochs than the checkpoint beside
+        it, from runs written before it came after the checkpoint, and fewer where a run was killed between the two)."""
         saved = cls(**json.loads(path.read_text())) if path.exists() else cls()
         steps = saved.epoch_end_step[epochs - 1] if 0 < epochs <= len(saved.epoch_end_step) else 0
         return cls(saved.step_loss[:steps], saved.epoch_end_step[:epochs], saved.test_accuracy[:epochs])

@@ -54,8 +54,10 @@ def test_ctrl_c_on_mpirun_says_once_that_no_rank_failed_and_how_to_resume_under_
     reports = [line for line in err.splitlines() if line.startswith("distrib train: ")]
     assert len(reports) == 1, err  # rank 0's, in one line, whether it was in Python or inside an MPI call
     assert "no rank failed: mpirun itself was interrupted (Ctrl-C) or killed" in reports[0]
-    assert reports[0].endswith(f" The last checkpoint is {tmp_path / 'ckpt'}; resume with: mpirun -np 2 distrib train "
-                               f"--epochs 500 --out {tmp_path} --resume")
+    # the ranks cannot see mpirun's own options (--oversubscribe, -x ...): the line asks for the same mpirun command
+    assert reports[0].endswith(f" The last checkpoint is {tmp_path / 'ckpt'}; resume with the same mpirun command "
+                               f"(its options, any -np) ending in: distrib train --epochs 500 --out {tmp_path} "
+                               f"--resume")
 
 
 def test_a_truncated_history_warns_and_the_resume_goes_on(tmp_path, capsys):
