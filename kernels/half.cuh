@@ -1,5 +1,5 @@
 // float16 <-> float32 conversions by PTX instruction (no CUDA headers, so NVRTC compiles without a GPU);
-// inlined into the kernels that include it by backends/cuda_kernels.py's source().
+// inlined into the kernels that include it by the kernel loader's source() (distrib/backends/cuda/kernels.py).
 
 __device__ __forceinline__ float half_to_float(unsigned short h) {
     float f;

@@ -39,7 +39,7 @@ def gather() -> dict:
         gpus = topology.read_gpus()
     except ImportError as exc:
         facts["gpu_problem"] = f"NVML is not available: pynvml is not installed ({exc}); pip install nvidia-ml-py " \
-                               f"(in distrib[cuda12])"
+                               f"(in distrib[cuda12] and distrib[cuda13])"
     except Exception as exc:  # pynvml.NVMLError: no driver or no libnvidia-ml on this machine
         facts["gpu_problem"] = f"NVML found no GPU: {type(exc).__name__}: {exc}"
     else:
@@ -58,7 +58,8 @@ def _replica_execution(kind: str | None) -> str:
     except ValueError as exc:
         return f"none ({exc})"
     if kind == "cuda":
-        return "threads (GPU replicas always run on threads)"
+        return ("threads (GPU replicas run on threads unless a strategy asks for replica_execution='cooperative', "
+                "which replicas sharing one GPU allow; DISTRIB_REPLICA_EXECUTION applies to emulated replicas only)")
     if os.environ.get("DISTRIB_REPLICA_EXECUTION"):
         return f"{chosen} (DISTRIB_REPLICA_EXECUTION={chosen})"
     return (f"{chosen} (the default; DISTRIB_REPLICA_EXECUTION=cooperative runs emulated replicas as greenlets, as "

@@ -24,6 +24,9 @@ def compute_dtype(precision: str, xp):
     if precision != "bfloat16":
         return xp.dtype(precision)
     if xp is not np:
+        # The reason given is out of date: CuPy 14 holds ml_dtypes' bfloat16 (the CUDA backend reduces it, its GPU
+        # tests check that). What has not run on a GPU is the model's bfloat16 forward and backward passes (CuPy's
+        # matmul and elementwise ops in bfloat16), so the refusal stays until a GPU run shows they train.
         raise ValueError(f"--precision bfloat16 is not available: {xp.__name__} has no bfloat16 arrays. "
                          f"Use --precision float16.")
     if importlib.util.find_spec("ml_dtypes") is None:

@@ -63,9 +63,13 @@ def test_a_value_cupy_cannot_hold_fails_the_batch_before_any_copy_is_queued(back
     pool.take(1)  # reclaims what earlier tests left busy
     busy = len(pool._busy)
     batch = [np.ones(2 * staging.CHUNK_BYTES, np.uint8), np.array(["no GPU dtype"])]  # CuPy has no str dtype
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises(TypeError, match=r"cannot hold dtype <U12 on a GPU\. Received: an array of dtype <U12 and "
+                                         r"shape \(1,\)") as prefetched:  # as to_device says it, not CuPy's ValueError
         backend.prefetch_to_device(batch, "GPU:0")
     assert len(pool._busy) == busy  # every device array is allocated before the first copy: nothing to hold
+    with pytest.raises(TypeError) as placed:
+        backend.to_device(batch[1], "GPU:0")
+    assert str(placed.value) == str(prefetched.value)
 
 
 def test_a_batch_that_fails_part_way_keeps_the_pinned_buffers_of_the_copies_already_queued(backend, monkeypatch):

@@ -59,8 +59,22 @@ def upload(host: np.ndarray) -> cupy.ndarray:
     try:
         return cupy.asarray(in_native_order(host))
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"CuPy {cupy.__version__} cannot hold dtype {host.dtype} on a GPU. Received: an array of "
-                        f"dtype {host.dtype} and shape {host.shape}.") from exc
+        raise unsupported_dtype(host) from exc
+
+
+def empty_for(host: np.ndarray) -> cupy.ndarray:
+    """An uninitialised array of `host`'s shape and dtype on the current device and stream, for a copy of it; a dtype
+    CuPy cannot hold is upload()'s TypeError (CuPy's own is a ValueError, "Unsupported dtype <U12")."""
+    try:
+        return cupy.empty(host.shape, host.dtype)
+    except (TypeError, ValueError) as exc:
+        raise unsupported_dtype(host) from exc
+
+
+def unsupported_dtype(host: np.ndarray) -> TypeError:
+    """The error for a host array whose dtype CuPy cannot hold on a GPU (strings, objects, datetimes)."""
+    return TypeError(f"CuPy {cupy.__version__} cannot hold dtype {host.dtype} on a GPU. Received: an array of "
+                     f"dtype {host.dtype} and shape {host.shape}.")
 
 
 # Whether a CuPy array is C-contiguous: its own attribute (since CuPy 7) is read in C, while `.flags` builds an

@@ -14,7 +14,7 @@ from distrib.backends.base import Backend
 from distrib.backends.cuda import devices as cuda_devices
 from distrib.backends.cuda import errors as cuda_errors
 from distrib.backends.cuda import nccl as nccl_comms
-from distrib.backends.cuda.arrays import (aligned, all_contiguous, all_on, as_cupy, contiguous, device_id,
+from distrib.backends.cuda.arrays import (aligned, all_contiguous, all_on, as_cupy, contiguous, device_id, empty_for,
                                          in_native_order, on_gpu, upload)
 from distrib.backends.cuda.collectives import NcclCollectives
 from distrib.backends.cuda.results import Outputs
@@ -202,7 +202,7 @@ class CudaBackend(NcclCollectives, Backend):
                 if not host.flags.c_contiguous:  # np.ascontiguousarray alone would make a 0-d array 1-d
                     host = np.ascontiguousarray(host)
                 with stream:
-                    array = cupy.empty(host.shape, host.dtype)
+                    array = empty_for(host)  # a dtype CuPy cannot hold: upload()'s TypeError, before any copy
                 if host.nbytes:
                     uploads.append((host, array))
                 out.append(array)

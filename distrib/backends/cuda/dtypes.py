@@ -81,7 +81,8 @@ def nccl_reduction(dtype: str, mean: bool, nccl_version: int, api: str) -> NcclR
         raise _unsupported(api, dtype, {**NCCL_WIRES, **WIDER})
     if wire.dtype == "bfloat16" and nccl_version < AVG_MIN_VERSION:
         raise TypeError(f"{api} of bfloat16 needs NCCL 2.10.3 or later. Received: NCCL version code {nccl_version}; "
-                        f"pip install 'nvidia-nccl-cu12>=2.18.1' (in distrib[cuda12]).")
+                        f"pip install 'nvidia-nccl-cu12>=2.18.1' (in distrib[cuda12]), or on CUDA 13 "
+                        f"'nvidia-nccl-cu13>=2.27' (in distrib[cuda13]).")
     if mean and wire.dtype not in FLOATS:
         raise ValueError(f"{api} takes a mean of float and complex values only (integer means are divided after "
                          f"the sum). Received: mean of dtype {dtype}.")

@@ -1,5 +1,4 @@
-"""The CUDA backend across processes: one NCCL communicator over every GPU of every MPI rank (its GPU tests passed
-on an H200 on 2026-11-27, two processes sharing the GPU).
+"""The CUDA backend across processes: one NCCL communicator over every GPU of every MPI rank.
 
 Each rank drives its share of its host's GPUs (all of them with one rank per host; a contiguous slice with
 several; a shared GPU when ranks outnumber GPUs, which NCCL accepts once each rank has its own NCCL_HOSTID).
@@ -8,7 +7,9 @@ inside one NCCL group, global NCCL ranks following global replica ids (a host's 
 Collectives are the single-process backend's NCCL group calls on these communicators; MEAN divides by the
 global replica count, and gathers, broadcasts and reduce-scatters are sized for every replica of the job.
 
-This module is written against the single-process CUDA backend and has not been run on GPUs yet.
+On GPUs: tests/gpu/test_gpu_multi_process.py (two processes sharing one H200: collectives and variable updates
+through one communicator, a killed and a stalled rank) passed on 2026-11-27 once the fixes of that day were in
+(bench/results/2026-11-27-h200-run2/); several GPUs per host and several hosts have not been tried.
 """
 
 from __future__ import annotations
