@@ -59,7 +59,8 @@ def cuda_problem() -> str | None:
             warnings.simplefilter("ignore")
             from cupy.cuda import nccl
     except Exception as exc:
-        problems.append(f"cupy.cuda.nccl failed to import ({exc}); pip install nvidia-nccl-cu12 (in distrib[cuda12])")
+        problems.append(f"cupy.cuda.nccl failed to import ({exc}); pip install nvidia-nccl-cu12 (in distrib[cuda12]) "
+                        f"or nvidia-nccl-cu13 (in distrib[cuda13])")
     else:
         if not getattr(nccl, "available", False):
             problems.append("NCCL is not loadable; pip install nvidia-nccl-cu12 (in distrib[cuda12]) or "

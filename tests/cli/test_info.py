@@ -82,7 +82,8 @@ def test_the_link_matrix_has_nvidia_smis_layout():
     assert "NV#  = Connection traversing a bonded set of # NVLinks" in topology.matrix(gpus)
 
 
-@pytest.mark.skipif(detect() != "cpu", reason="GPU replicas always run on threads")
+@pytest.mark.skipif(detect() != "cpu",
+                    reason="the emulated replicas' default; GPU replicas run on threads unless a strategy asks otherwise")
 def test_info_says_how_emulated_replicas_run_and_why(monkeypatch):
     monkeypatch.delenv("DISTRIB_REPLICA_EXECUTION", raising=False)
     assert json.loads(info("--json"))["replica_execution"].startswith("threads (the default;")

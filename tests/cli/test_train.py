@@ -73,7 +73,8 @@ def test_one_and_four_replicas_train_the_same_model(tmp_path, capsys, monkeypatc
     assert threads["step_loss"] == four["step_loss"]  # bit for bit
 
 
-@pytest.mark.skipif(detect() != "cpu", reason="the emulator's default; GPU replicas always run on threads")
+@pytest.mark.skipif(detect() != "cpu",
+                    reason="the emulator's default; GPU replicas run on threads unless a strategy asks otherwise")
 def test_emulated_replicas_train_cooperatively_unless_the_environment_says_threads(tmp_path, monkeypatch):
     args = build_parser().parse_args(["--replicas", "4", "--out", str(tmp_path)])
     monkeypatch.delenv("DISTRIB_REPLICA_EXECUTION", raising=False)
