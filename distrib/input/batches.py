@@ -38,7 +38,7 @@ def batch_leaves(element: Any, backend: Backend, what: str) -> tuple[list, Any]:
     native = (np.ndarray, backend.xp.ndarray)
     arrays = []
     for k, leaf in enumerate(leaves):
-        if isinstance(leaf, native) and leaf.ndim and leaf.dtype.kind not in "OSU":
+        if isinstance(leaf, native) and leaf.ndim and leaf.dtype.kind not in "OSU" and leaf.dtype.isnative:
             arrays.append(leaf)  # the common case, checked in one line
             continue
         try:
@@ -56,6 +56,8 @@ def batch_leaves(element: Any, backend: Backend, what: str) -> tuple[list, Any]:
         if array.dtype.kind in "OSU":
             raise TypeError(f"Every leaf of a {what} must be a numeric array. Received: dtype {array.dtype} at "
                             f"path {format_path(spec.paths()[k])}.")
+        if not array.dtype.isnative:  # a batch holds its values in this machine's byte order, as a tensor does
+            array = array.astype(array.dtype.newbyteorder("="))
         arrays.append(array)
     return arrays, spec
 

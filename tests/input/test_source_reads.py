@@ -206,3 +206,13 @@ def test_replicas_pipelines_of_different_dtypes_are_refused(strategy):
 
     with pytest.raises(TypeError, match="must have the dtypes of the first"):
         list(strategy.distribute_datasets_from_function(dataset_fn, options))
+
+
+def test_byte_swapped_batches_reach_the_replicas_in_native_byte_order(strategy):
+    # before: each replica's batch kept the element's '>f4', where a TensorFlow tensor holds native values
+    data = [{"x": (np.arange(6, dtype=np.float32) + 6 * i).astype(">f4")} for i in range(2)]
+    steps = list(strategy.experimental_distribute_dataset(data))
+    for i, step in enumerate(steps):
+        parts = strategy.experimental_local_results(step["x"])
+        assert all(part.dtype == np.float32 and part.dtype.isnative for part in parts)
+        assert np.concatenate(parts).tolist() == list(range(6 * i, 6 * i + 6))
