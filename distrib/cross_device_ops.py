@@ -16,6 +16,7 @@ from distrib.backends.base import Backend
 from distrib.backends.packed import member_views
 from distrib.batched_gather import batch_all_gather
 from distrib import plan as planner
+from distrib import timeline
 from distrib.devices import HOST, canonical_name
 from distrib.options import CommunicationImplementation, CommunicationOptions, ReduceOp
 
@@ -90,7 +91,11 @@ def _reduce_on(backend: Backend, op: ReduceOp, components: Sequence[Any], target
                accumulation_fn: Callable | None = None) -> Any:
     """The SUM or MEAN of same-shaped per-device arrays, computed on `target` (integer MEAN: a float result)."""
     if accumulation_fn is not None:
-        total = accumulation_fn([backend.copy(c, target) for c in components])
+        if timeline.recording is None:
+            total = accumulation_fn([backend.copy(c, target) for c in components])
+        else:  # the sum in add_n's place, on the timeline as add_n's is
+            with timeline.span("add_n", "collective", (target,), {"bytes": int(getattr(components[0], "nbytes", 0))}):
+                total = accumulation_fn([backend.copy(c, target) for c in components])
     else:
         total = backend.add_n(list(components), target)
     if op is ReduceOp.MEAN:

@@ -65,6 +65,7 @@ class Timeline:
 
     def __init__(self, path: str | os.PathLike):
         self.rank = job_rank()
+        self.job = job_id() if self.rank is not None else None
         self.requested = os.fsdecode(path)
         self.path = self.requested if self.rank is None else rank_path(self.requested, self.rank)
         self._events: list[dict] = []  # list.append is atomic: hooks on any thread append without a lock
@@ -105,7 +106,10 @@ class Timeline:
             meta.append({"name": "thread_name", "ph": "M", "pid": self._pid, "tid": tid, "args": {"name": track}})
             meta.append({"name": "thread_sort_index", "ph": "M", "pid": self._pid, "tid": tid,
                          "args": {"sort_index": _sort_key(track)}})
-        return {"traceEvents": list(self._events) + meta, "displayTimeUnit": "ms"}
+        return {"traceEvents": list(self._events) + meta, "displayTimeUnit": "ms",
+                "otherData": _provenance("wall" if self.rank is not None else "start", self.job,
+                                         job_size() if self.rank is not None else None,
+                                         [] if self.rank is None else [self.rank])}
 
     def write(self) -> str:
         """Writes the trace to `path` (through a temporary file, so a reader never sees half of it)."""
@@ -173,6 +177,27 @@ def job_rank() -> int | None:
     return environment[1] if environment is not None and environment[2] > 1 else None
 
 
+# The launcher's name for the job, which every rank shares (Open MPI, PMIx launchers, Slurm's srun), in order
+_JOB_VARIABLES = (("PMIX_NAMESPACE",), ("OMPI_MCA_ess_base_jobid",), ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+
+
+def job_id() -> str | None:
+    """The MPI job's id from the launcher's environment (the same on every rank), None where it gives none."""
+    for names in _JOB_VARIABLES:
+        if names[0] in os.environ:
+            return ".".join(os.environ.get(name, "") for name in names)
+    return None
+
+
+def job_size() -> int | None:
+    """The ranks of the MPI job this process is one of (None outside one)."""
+    try:
+        environment = mpi_environment()
+    except ValueError:
+        return None
+    return None if environment is None else environment[2]
+
+
 def rank_path(path: str | os.PathLike, rank: int) -> str:
     """Where rank `rank` of a job writes the timeline asked for at `path`: trace.json -> trace.rank0.json."""
     target = Path(path)
@@ -182,24 +207,122 @@ def rank_path(path: str | os.PathLike, rank: int) -> str:
 def merge(paths: Sequence[str | os.PathLike], out: str | os.PathLike) -> str:
     """Writes one trace holding every event of the traces at `paths` (each rank's file of a job); returns `out`.
 
+    Every file must be a trace (a JSON object whose "traceEvents" is a list of events, objects with a "ph"). More
+    than one must be the rank traces of one job, each rank once: they are timed on the wall clock, which their
+    ranks share. A trace of a single process is timed from the start of its own recording, so it lines up with
+    no other; the same file twice, or the same rank from two files, would show its spans twice.
+
     Raises:
-      ValueError: a file is not a trace (JSON with "traceEvents"), naming it.
+      ValueError: a file is not a trace, or the traces are not the ranks of one job, naming the file(s).
       OSError: a file cannot be read, or `out` cannot be written.
     """
     events: list[dict] = []
-    for path in paths:
+    sources: list[tuple[str, dict | None]] = []  # (path, provenance)
+    seen: dict[tuple[int, int], str] = {}  # (device, inode) -> the path that named the file first
+    for path in map(os.fspath, paths):
         try:
             text = Path(path).read_text()
+            identity = os.stat(path)
         except OSError as exc:
             raise _with_message(exc, f"A timeline to merge must be a file that can be read. Received: "
-                                     f"{os.fspath(path)!r} ({exc.strerror}).") from None
-        try:
-            trace = json.loads(text)
-            events.extend(trace["traceEvents"])
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"A timeline to merge must be a trace distrib wrote (JSON with \"traceEvents\"). "
-                             f"Received: {os.fspath(path)!r} ({type(exc).__name__}: {exc}).") from None
-    return _write_whole(os.fspath(out), {"traceEvents": events, "displayTimeUnit": "ms"})
+                                     f"{path!r} ({exc.strerror}).") from None
+        key = (identity.st_dev, identity.st_ino)
+        if key in seen:
+            raise ValueError(f"A timeline to merge must be named once: its spans would be in the merged trace twice. "
+                             f"Received: {path!r} (the file {seen[key]!r} names).")
+        seen[key] = path
+        trace = _read_trace(path, text)
+        events.extend(trace["traceEvents"])
+        sources.append((path, _provenance_of(trace)))
+    merged = {"traceEvents": events, "displayTimeUnit": "ms"}
+    provenance = _one_job(sources)
+    if provenance is not None:
+        merged["otherData"] = provenance
+    return _write_whole(os.fspath(out), merged)
+
+
+def _read_trace(path: str, text: str) -> dict:
+    """The trace in `text` (read from `path`), or a ValueError naming the file and what is wrong with it."""
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"A timeline to merge must be a trace distrib wrote (a JSON object whose \"traceEvents\" "
+                          f"is a list of events). Received: {path!r} ({what}).")
+
+    try:
+        trace = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise refuse(f"not JSON: {exc}") from None
+    if not isinstance(trace, dict):
+        raise refuse(f"a JSON {_json_kind(trace)}, not an object")
+    if "traceEvents" not in trace:
+        raise refuse("no \"traceEvents\"")
+    trace_events = trace["traceEvents"]
+    if not isinstance(trace_events, list):
+        raise refuse(f"\"traceEvents\" is a {_json_kind(trace_events)}, not a list")
+    for index, event in enumerate(trace_events):
+        if not isinstance(event, dict) or not isinstance(event.get("ph"), str):
+            raise refuse(f"event {index} is {json.dumps(event)[:60]}, not an object with a \"ph\"")
+        for field in ("ts", "dur"):
+            if field in event and (isinstance(event[field], bool) or not isinstance(event[field], (int, float))):
+                raise refuse(f"event {index}'s {field!r} is {json.dumps(event[field])[:60]}, not a number")
+    return trace
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
+def _provenance(clock: str, job: str | None, size: int | None, ranks: list[int]) -> dict:
+    """The trace's otherData: what `merge` checks (its clock, the job, the job's size and the ranks it holds)."""
+    return {"producer": "distrib", "clock": clock, "job": job, "job_size": size, "ranks": ranks}
+
+
+def _provenance_of(trace: dict) -> dict | None:
+    """Where a trace comes from: its otherData where distrib wrote it, else (a trace of an older distrib) its
+    process names ("distrib rank N" for a rank's, "distrib" for a single process's); None for another program's."""
+    other = trace.get("otherData")
+    if isinstance(other, dict) and other.get("producer") == "distrib" and isinstance(other.get("ranks"), list):
+        return other
+    names = [e.get("args", {}).get("name") for e in trace["traceEvents"]
+             if e.get("name") == "process_name" and isinstance(e.get("args"), dict)]
+    ranks = [int(name.rpartition(" ")[2]) for name in names
+             if isinstance(name, str) and name.startswith("distrib rank ") and name.rpartition(" ")[2].isdigit()]
+    if ranks and len(ranks) == len(names):
+        return _provenance("wall", None, None, ranks)
+    if names == ["distrib"]:
+        return _provenance("start", None, None, [])
+    return None
+
+
+def _one_job(sources: list[tuple[str, dict | None]]) -> dict | None:
+    """The merged trace's otherData (None where unknown); a ValueError where the traces cannot be lined up in time:
+    a single process's among others, another program's, two jobs', or one rank twice."""
+    if len(sources) == 1:
+        return sources[0][1]
+    holder: dict[int, str] = {}
+    for path, provenance in sources:
+        if provenance is None:
+            raise ValueError(f"Timelines to merge must be the rank traces distrib wrote under mpirun: they are lined "
+                             f"up in time by the clock their ranks share. Received: {path!r} (not a trace of a rank "
+                             f"of an MPI job: no \"distrib rank N\" process).")
+        if provenance.get("clock") != "wall":
+            raise ValueError(f"Timelines to merge must be the rank traces of one MPI job (trace.rank<N>.json, from "
+                             f"DISTRIB_TIMELINE or start_timeline under mpirun). Received: {path!r} (a single "
+                             f"process's trace, timed from the start of its own recording: it lines up with no "
+                             f"other).")
+        for rank in provenance["ranks"]:
+            if rank in holder:
+                raise ValueError(f"Timelines to merge must hold each rank once: its spans would be in the merged "
+                                 f"trace twice. Received: rank {rank} in both {holder[rank]!r} and {path!r}.")
+            holder[rank] = path
+    for field, what in (("job", "job"), ("job_size", "number of ranks")):
+        known = {provenance[field]: path for path, provenance in sources if provenance.get(field) is not None}
+        if len(known) > 1:
+            (a, first), (b, second) = list(known.items())[:2]
+            raise ValueError(f"Timelines to merge must be the rank traces of one MPI job. Received: {first!r} and "
+                             f"{second!r}, of different jobs ({what} {a} and {b}).")
+    first = sources[0][1]
+    return _provenance("wall", first.get("job"), first.get("job_size"), sorted(holder))
 
 
 def _with_message(exc: OSError, message: str) -> OSError:
@@ -328,6 +451,7 @@ class span:
       name: the event's name ("run", "all_reduce", ...).
       category: the event's category ("run", "merge_call", "collective", "pack").
       tracks: track names such as ("replica 0",) or ("GPU:0", "GPU:1").
+      args: the event's args, such as {"bytes": 4096}.
 
     Example:
       >>> from distrib import timeline
@@ -335,14 +459,14 @@ class span:
       ...     pass
     """
 
-    __slots__ = ("name", "category", "tracks", "start")
+    __slots__ = ("name", "category", "tracks", "args", "start")
 
-    def __new__(cls, name: str, category: str, tracks: tuple[str, ...] | None = None):
+    def __new__(cls, name: str, category: str, tracks: tuple[str, ...] | None = None, args: dict | None = None):
         # while nothing records, one shared do-nothing block: replica threads pass through several spans per step
         return _OFF if recording is None else object.__new__(cls)
 
-    def __init__(self, name: str, category: str, tracks: tuple[str, ...] | None = None):
-        self.name, self.category, self.tracks = name, category, tracks
+    def __init__(self, name: str, category: str, tracks: tuple[str, ...] | None = None, args: dict | None = None):
+        self.name, self.category, self.tracks, self.args = name, category, tracks, args
 
     def __enter__(self) -> "span":
         if recording is not None:
@@ -357,7 +481,7 @@ class span:
             end = time.perf_counter_ns()
             if _nvtx is not None:
                 _nvtx[1]()
-            timeline.add(self.name, self.category, self.start, end, self.tracks or (thread_track(),))
+            timeline.add(self.name, self.category, self.start, end, self.tracks or (thread_track(),), self.args)
 
     def __repr__(self) -> str:
         return f"<span {self.name!r} category={self.category!r}>"
@@ -424,13 +548,27 @@ def _nbytes(value: Any) -> int:
     return int(getattr(value, "nbytes", 0))
 
 
+environment_error: OSError | None = None  # why DISTRIB_TIMELINE cannot be recorded, raised by check_environment()
+
+
+def check_environment() -> None:
+    """Raises the error of a DISTRIB_TIMELINE that cannot be written (a folder, a path under a file, a folder where
+    a file cannot be put), naming it: the first backend a program makes calls it, before any collective, rather than
+    `import distrib` (which the `distrib` command needs, to refuse it in one line) or the end of the program (which
+    would lose the whole recording)."""
+    if environment_error is not None:
+        raise _with_message(environment_error, str(environment_error))
+
+
 def _start_from_environment() -> None:
+    global environment_error
     path = os.environ.get(ENV, "").strip()
     if path and recording is None:
         try:
             start(path)
-        except OSError as exc:  # refused at import rather than the whole program's trace lost at exit
-            raise _with_message(exc, f"{ENV}: {exc}") from None
+        except OSError as exc:
+            environment_error = _with_message(exc, f"{ENV}: {exc}")
+            return
         atexit.register(stop)
 
 

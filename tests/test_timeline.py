@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from support import MPIRUN, mpirun_env, needs_mpirun
 
 import distrib
 from distrib import timeline
@@ -106,13 +107,116 @@ def test_a_folder_is_refused_at_the_start_and_by_the_environment_variable(tmp_pa
                                                 r"'.*/traces' \(a folder; name a file in it, such as trace\.json\)\.$"):
         strategy.start_timeline(folder)
     assert timeline.recording is None and os.listdir(tmp_path) == ["traces"] and os.listdir(folder) == []
-    result = subprocess.run([sys.executable, "-c", "import distrib"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
                             env={**os.environ, "DISTRIB_TIMELINE": str(folder), "DISTRIB_BACKEND": "cpu"})
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(
         f"IsADirectoryError: DISTRIB_TIMELINE: A timeline needs a file it can write. Received: {str(folder)!r} "
         f"(a folder")
     assert os.listdir(tmp_path) == ["traces"]
+
+
+def test_a_bad_environment_variable_is_refused_by_the_first_strategy_not_by_import_distrib(tmp_path):
+    # `import distrib` raised it, a 22-line traceback from timeline.py on every command, `distrib --version` too
+    (tmp_path / "a_file").write_text("")
+    for path, why in ((tmp_path, "(a folder; name a file in it, such as trace.json)."),
+                      (tmp_path / "a_file" / "t.json", f"({str(tmp_path / 'a_file')!r} is a file, not a folder).")):
+        program = textwrap.dedent("""
+            import distrib
+            print("imported")
+            try:
+                distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+            except OSError as exc:
+                print(type(exc).__name__, exc)
+            try:
+                distrib.MirroredStrategy(["CPU:0", "CPU:1"])  # refused every time, not only the first
+            except OSError as exc:
+                print(type(exc).__name__, exc)
+        """)
+        result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                                env={**os.environ, "DISTRIB_TIMELINE": str(path), "DISTRIB_BACKEND": "cpu"})
+        error = "IsADirectoryError" if path == tmp_path else "NotADirectoryError"
+        line = f"{error} DISTRIB_TIMELINE: A timeline needs a file it can write. Received: {str(path)!r} {why}"
+        assert (result.returncode, result.stdout.splitlines()) == (0, ["imported", line, line]), result.stderr
+        for command, status, out in ((["--version"], 0, f"distrib {distrib.__version__}\n"), (["info"], 2, ""),
+                                     (["train", "--epochs", "1"], 2, ""), (["bench", "all_reduce"], 2, ""),
+                                     (["timeline", "merge", "a.json", "-o", "b.json"], 2, "")):
+            result = subprocess.run([sys.executable, "-m", "distrib", *command], capture_output=True, text=True,
+                                    cwd=tmp_path, timeout=120,
+                                    env={**os.environ, "DISTRIB_TIMELINE": str(path), "DISTRIB_BACKEND": "cpu"})
+            expected = [] if status == 0 else [f"distrib {command[0]}: error: DISTRIB_TIMELINE: A timeline needs a "
+                                               f"file it can write. Received: {str(path)!r} {why}"]
+            assert (result.returncode, result.stdout, result.stderr.splitlines()) == (status, out, expected)
+    assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_reductions_outside_run_are_on_the_timeline_once_each(tmp_path):
+    # reduce_to, Strategy.reduce and batch_reduce_to onto a device or the host sum with the backend's add_n, which
+    # the timeline left out: only the all_reduce inside `run` was recorded
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.full(4, ctx.replica_id_in_sync_group + 1, np.float32))
+    summed_by_a_function = distrib.MirroredStrategy(["CPU:0", "CPU:1"], cross_device_ops=distrib.ReductionToOneDevice(
+        accumulation_fn=lambda arrays: sum(arrays[1:], arrays[0])))
+    other_values = summed_by_a_function.experimental_distribute_values_from_function(
+        lambda ctx: np.full(4, ctx.replica_id_in_sync_group + 1, np.float32))
+    calls = {
+        "reduce_to a device": lambda: strategy.extended.reduce_to("SUM", values, "CPU:1"),
+        "reduce_to the host": lambda: strategy.extended.reduce_to("MEAN", values, "host"),
+        "Strategy.reduce": lambda: strategy.reduce("SUM", values, axis=None),
+        "batch_reduce_to onto the host": lambda: strategy.extended.batch_reduce_to("SUM", [(values, "host"),
+                                                                                          (values, "host")]),
+        "reduce_to with an accumulation_fn": lambda: summed_by_a_function.extended.reduce_to("SUM", other_values,
+                                                                                             "CPU:0"),
+    }
+    # (collectives, the device each sums on): batch_reduce_to onto the host packs its two values into one sum
+    expected = {"reduce_to a device": ["CPU:1"], "reduce_to the host": ["CPU:0"], "Strategy.reduce": ["CPU:0"],
+                "batch_reduce_to onto the host": ["CPU:0"], "reduce_to with an accumulation_fn": ["CPU:0"]}
+    strategy.start_timeline(tmp_path / "t.json")
+    try:
+        for name, call in calls.items():
+            with timeline.span(name, "test"):
+                call()
+    finally:
+        path = strategy.stop_timeline()
+    trace = json.loads(open(path).read())
+    names, events = track_names(trace), complete_events(trace)
+    found = {}
+    for marker in (e for e in events if e["cat"] == "test"):
+        inside = [e for e in events if e["cat"] == "collective" and
+                  marker["ts"] <= e["ts"] and e["ts"] + e["dur"] <= marker["ts"] + marker["dur"] + 1e-3]
+        found[marker["name"]] = [(e["name"], names[e["tid"]], e["args"]["bytes"]) for e in inside]
+    assert found == {name: [("add_n", device, 32 if name == "batch_reduce_to onto the host" else 16)
+                            for device in devices] for name, devices in expected.items()}
+
+
+@needs_mpirun
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_under_mpirun_every_collective_across_the_processes_is_on_the_timeline_once(tmp_path, replicas):
+    # the MPI backend's plans sum straight through MPI, past the timed all_reduce: a whole `distrib train` under
+    # mpirun recorded no all_reduce at all
+    program = ROOT / "tests" / "multi_worker" / "timeline_routes.py"
+    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, str(program)],
+                          env=mpirun_env(DISTRIB_CPU_REPLICAS=str(replicas), DISTRIB_TIMELINE=str(tmp_path / "t.json")),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / f"t.rank{rank}.json").read_text())
+        names, events = track_names(trace), complete_events(trace)
+        found = {}
+        for marker in (e for e in events if e["cat"] == "test"):
+            inside = [e for e in events if e["cat"] == "collective" and
+                      marker["ts"] <= e["ts"] and e["ts"] + e["dur"] <= marker["ts"] + marker["dur"] + 1e-3]
+            found[marker["name"]] = sorted((e["name"], names[e["tid"]]) for e in inside)
+        devices = [f"CPU:{d}" for d in range(replicas)]
+        one_all_reduce = [("all_reduce", device) for device in devices]  # one event per device, as in one process
+        assert found == {"run: all_reduce": one_all_reduce, "run: all_reduce of two values": one_all_reduce,
+                         "run: all_reduce of float16": one_all_reduce,
+                         "run: all_gather": sorted([("all_gather", device) for device in devices] +
+                                                   [("gather_rows", "MainThread")]),
+                         "reduce_to": one_all_reduce, "reduce_to of float16": one_all_reduce,
+                         "reduce_to the host": one_all_reduce, "Strategy.reduce": one_all_reduce,
+                         "batch_reduce_to": one_all_reduce}, rank
 
 
 def test_a_write_that_fails_at_the_stop_names_the_path_and_leaves_no_temporary_file(tmp_path, monkeypatch):

@@ -36,12 +36,28 @@ from distrib.options import default_timeout
 
 _TAG = 17
 ANNOUNCEMENTS_VARIABLE = "DISTRIB_MPI_ANNOUNCEMENTS"  # "messages": no shared-memory slots, messages to every peer
+ANNOUNCEMENTS = ("shared-memory", "messages")  # its values; unset or empty: the first
 _SLOT_BYTES = 64  # a cache line per rank: a slot shares its line with no other rank's
 _CHECK_SENDS_EVERY = 32
 QUICK_POLLS = 64  # polls made before the wait looks at the clock: a peer in step announces within microseconds
 SPIN_SECONDS = 0.05  # a late peer is polled without pause this long, then every NAP_SECONDS
 NAP_SECONDS = 0.0005
 LEFT_CHECK_SECONDS = 0.001  # a wait looks for peers that left once it has lasted this long
+
+
+def announcements() -> str:
+    """How collectives are announced to the peers on this host, from $DISTRIB_MPI_ANNOUNCEMENTS: "shared-memory" (a
+    slot in a file they all map; the default) or "messages" (as to other hosts' peers). Read as DISTRIB_BACKEND is:
+    case and surrounding spaces aside.
+
+    Raises:
+      ValueError: it is set to anything else, naming it.
+    """
+    raw = os.environ.get(ANNOUNCEMENTS_VARIABLE, "")
+    value = raw.strip().lower() or ANNOUNCEMENTS[0]
+    if value not in ANNOUNCEMENTS:
+        raise ValueError(f"{ANNOUNCEMENTS_VARIABLE} must be 'shared-memory' or 'messages'. Received: {raw!r}.")
+    return value
 
 
 class InCall(NamedTuple):
@@ -70,6 +86,7 @@ class Channel:
     """
 
     def __init__(self, group: Any, name: str, oversubscribed: bool = False):
+        slots_wanted = announcements() == "shared-memory"  # before any MPI call: every rank refuses a bad value alike
         MPI = group.MPI
         self.group, self.name, self._yield = group, name, oversubscribed
         # polls made at once: on a shared core (oversubscribed) spinning only delays the peer
@@ -78,7 +95,7 @@ class Channel:
         self._board = MPI.COMM_WORLD.Dup()
         self.sequence = 0  # collectives announced so far
         self.in_call: InCall | None = None
-        slots = _shared_slots(MPI, self._board, os.environ.get(ANNOUNCEMENTS_VARIABLE) != "messages")
+        slots = _shared_slots(MPI, self._board, slots_wanted)
         self._slot = slots.get(group.rank)  # this rank's last announcement, read by the peers on its host
         self._near = tuple(r for r in range(group.size) if r != group.rank and r in slots)
         self._near_slots = tuple(slots[r] for r in self._near)  # theirs

@@ -11,9 +11,10 @@ import numpy as np
 from distrib import timeline
 from distrib.plan import AllReducePlan, Buffer
 
-# The methods every backend's timeline shows (distrib/timeline.py), and their event category.
+# The methods every backend's timeline shows (distrib/timeline.py), and their event category. add_n is the sum onto
+# one device of reduce_to, Strategy.reduce and batch_reduce_to in one process (cross_device_ops._reduce_on).
 TIMED = {"all_reduce": "collective", "all_gather": "collective", "reduce_scatter": "collective",
-         "broadcast": "collective", "pack": "pack", "unpack": "pack", "execute": "plan"}
+         "broadcast": "collective", "add_n": "collective", "pack": "pack", "unpack": "pack", "execute": "plan"}
 
 
 class Backend(abc.ABC):
@@ -30,6 +31,10 @@ class Backend(abc.ABC):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         timeline.instrument(cls, TIMED)  # wrapped only while a timeline records
+
+    def __new__(cls, *args, **kwargs):
+        timeline.check_environment()  # a DISTRIB_TIMELINE that cannot be written: refused before the first collective
+        return super().__new__(cls)
 
     @property
     @abc.abstractmethod

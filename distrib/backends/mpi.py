@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from distrib import timeline
 from distrib.backends.cpu import CpuBackend, native_order, _shared as shared_views
 from distrib.backends.packed import FLOAT_PREFIXES, unpack_into
 from distrib.backends.process_group import ProcessGroup
@@ -189,8 +190,10 @@ class MpiBackend(CpuBackend):
             self._refuse_nccl(devices)
         count = self.group.num_replicas
         single = plan.single
-        if single is not None and len(per_device) == 1:  # one array of one local replica: the usual multi-worker
-            value = per_device[0][0]  # call, straight from the array into the result
+        recording = timeline.recording  # these routes sum through MPI, not through the timed all_reduce: while a
+        # timeline records, each records its span (one local replica's value takes `_one_value`'s: the same MPI call)
+        if single is not None and len(per_device) == 1 and recording is None:  # one array of one local replica: the
+            value = per_device[0][0]  # usual multi-worker call, straight from the array into the result
             # the plan's dtype by name, from the memo: `dtype == "float32"` parses the string every time (2-3 µs
             # of a 1 MB call, right after a transfer has left the caches cold)
             total = self._sum_whole(value, "all_reduce", timeout, plan.identity) if type(value) is np.ndarray and \
@@ -202,7 +205,8 @@ class MpiBackend(CpuBackend):
                 total.setflags(write=False)  # read-only, as TensorFlow's tensors are
                 result = total if shape is None else total.reshape(shape)
                 return [[np.asarray(result / count) if plan.mean and not float_mean else result]]
-        if single is not None:  # one value of several local replicas: summed here, then across, without packing
+        if single is not None:  # one value of several local replicas (or, recording, one): summed here, then across,
+            # without packing
             reduced = self._one_value(single, [values[0] for values in per_device], plan, devices, timeout, count)
             if reduced is not None:
                 return [[value] for value in reduced]
@@ -212,7 +216,12 @@ class MpiBackend(CpuBackend):
                       for buffer in buffers]
         # every route of a plan announces its identity (`_plan_all_reduce` too): processes whose replicas take
         # different routes to the same plan agree, and another shape or op is told apart
-        self._sum_across(reductions, "all_reduce", timeout, plan.identity)
+        if recording is None:
+            self._sum_across(reductions, "all_reduce", timeout, plan.identity)
+        else:
+            with timeline.span("all_reduce", "collective", tuple(devices),
+                               {"bytes": sum(total.nbytes for _, total, _ in reductions)}):
+                self._sum_across(reductions, "all_reduce", timeout, plan.identity)
         results: list[list[Any]] = [[None] * len(per_device[0]) for _ in devices]
         for buffer, (_, total, _) in zip(buffers, reductions):
             float_mean = plan.mean and buffer.dtype.startswith(FLOAT_PREFIXES)
@@ -232,7 +241,10 @@ class MpiBackend(CpuBackend):
         return self._all_reduce(flats, chunks, devices, mean, timeout, int(mean))
 
     def _plan_all_reduce(self, plan, flats, chunks, devices, mean, timeout):
-        return self._all_reduce(flats, chunks, devices, mean, timeout, plan.identity)
+        if timeline.recording is None:
+            return self._all_reduce(flats, chunks, devices, mean, timeout, plan.identity)
+        with timeline.span("all_reduce", "collective", tuple(devices), {"bytes": flats[0].nbytes}):  # as the timed
+            return self._all_reduce(flats, chunks, devices, mean, timeout, plan.identity)  # all_reduce records one
 
     def _all_reduce(self, flats, chunks, devices, mean: bool, timeout: float | None, key: int) -> list[np.ndarray]:
         total = self._summed(flats, chunks, "all_reduce", timeout, key)
@@ -309,3 +321,7 @@ class MpiBackend(CpuBackend):
 
     def __repr__(self) -> str:
         return f"<MpiBackend rank={self.group.rank} of {self.group.size}, replicas={self.group.replica_counts}>"
+
+
+# the host exchange of an all-gather's sizes is a collective across the processes too (wrapped only while recording)
+timeline.instrument(MpiBackend, {"gather_rows": "collective"})

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from distrib._version import __version__
@@ -20,9 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: one subcommand per entry of COMMANDS, each listed in `distrib --help`."""
     from distrib.cli.bench import command as bench
     from distrib.cli import info, timeline
+    from distrib.cli.train import OneLineParser
 
-    parser = argparse.ArgumentParser(prog="distrib", description="tf.distribute's programming model on CuPy/NCCL "
-                                                                 "and a NumPy CPU emulator.")
+    # every subcommand's parser is one of these too (argparse makes them of the parent's class): errors in one line
+    parser = OneLineParser(prog="distrib", description="tf.distribute's programming model on CuPy/NCCL and a NumPy "
+                                                       "CPU emulator.")
     parser.add_argument("--version", action="version", version=f"distrib {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser("train", help=COMMANDS["train"], add_help=False)  # its own parser reads the rest
@@ -44,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"]:  # train's flags go to its own parser, -h included
         from distrib.cli.train import main as train_main
 
-        return train_main(argv[1:])
-    args = build_parser().parse_args(argv)
+        return _timeline_problem("train") or train_main(argv[1:])
+    args = build_parser().parse_args(argv)  # --version and --help first: they record nothing
+    problem = _timeline_problem(args.command)
+    if problem:
+        return problem
     if args.command == "bench":
         from distrib.cli.bench.command import run
     elif args.command == "timeline":
@@ -67,6 +73,27 @@ def main(argv: list[str] | None = None) -> int:
         if launched is None or launched[1] == 0 or 0 in exc.ranks:  # rank 0 reports, or the others if it died
             sys.stderr.write(f"distrib {args.command}: stopped{not_written}: {exc}\n")  # one write: ranks share the log
         return 1
+
+
+def _timeline_problem(command: str) -> int:
+    """Exit status 2, after one line on stderr, where DISTRIB_TIMELINE cannot be recorded (`import distrib` leaves
+    it to be refused here, as every variable the command cannot use is); 0 if it can. Under mpirun rank 0 says it,
+    or the rank whose own file (trace.rank<N>.json) it is."""
+    from distrib import timeline
+    from distrib.mpi_env import mpi_environment
+
+    try:
+        timeline.check_environment()
+    except OSError as exc:
+        try:
+            launched = mpi_environment()
+        except ValueError:
+            launched = None
+        rank = None if launched is None or launched[2] < 2 else launched[1]
+        if not rank or repr(timeline.rank_path(os.environ.get(timeline.ENV, "").strip(), rank)) in str(exc):
+            sys.stderr.write(f"distrib {command}: error: {exc}\n")
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from distrib.cli.bench.output import Output
 from distrib.cli.bench.runners import DistribSeries, NumpySeries, Prepared, RowSpec, count_wrong
 from distrib.cli.bench.sweep import TYPES, SweepError, combinations
 from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, concluded, footer, header, parse_size, row, sizes
+from distrib.file_paths import file_in_the_way
 from distrib.install_hint import pip_install
 from distrib.mpi_env import mpi_environment
 
@@ -82,8 +83,8 @@ def _reports() -> bool:
 
 
 def _usage_error(parser: argparse.ArgumentParser, message: str) -> None:
+    """One line, as every refusal of the command (the usage is under --help); under mpirun, from rank 0 alone."""
     if _reports():
-        parser.print_usage(sys.stderr)
         sys.stderr.write(f"{parser.prog}: error: {message}\n")
     raise SystemExit(2)
 
@@ -142,6 +143,10 @@ def _output_problem(args: argparse.Namespace) -> str | None:
         if not path:
             continue
         target = pathlib.Path(path).absolute()
+        in_the_way = file_in_the_way(str(target))
+        if in_the_way is not None:  # else mkdir's "File exists"
+            return (f"{flag} must name a file distrib bench can write. Received: {path!r} ({in_the_way!r} is a file, "
+                    f"not a folder).")
         try:
             if target.is_dir():
                 raise IsADirectoryError(21, "it is a directory")

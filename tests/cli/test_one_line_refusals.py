@@ -1,0 +1,87 @@
+"""What the `distrib` command refuses, it refuses in one line with exit status 2 (README: a flag or environment
+variable it cannot use is refused in one line naming it, the rule and what it received): argparse's errors of every
+subcommand, output paths under a file, and $DISTRIB_MPI_ANNOUNCEMENTS."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from support import MPIRUN, mpirun_env, needs_mpirun
+
+from distrib import backends, cli
+
+MULTI_WORKER = pathlib.Path(__file__).resolve().parents[1] / "multi_worker"
+QUICK = ["-g", "2", "-b", "1K", "-e", "1K", "-n", "1", "-w", "0"]
+
+
+@pytest.fixture(autouse=True)
+def on_the_emulator(monkeypatch):
+    monkeypatch.setenv("DISTRIB_BACKEND", "cpu")
+    monkeypatch.setattr(backends, "_DETECTED", [])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "foo"], "distrib bench: error: argument collective: invalid choice: 'foo' (choose from "),
+    (["bench", "all_reduce", "-f", "1.5"], "distrib bench: error: argument -f/--stepfactor: invalid int value: '1.5'"),
+    (["bench", "all_reduce", "-b", "abc"], "distrib bench: error: argument -b/--minbytes: A size is a number of bytes"),
+    (["bench"], "distrib bench: error: the following arguments are required: collective"),
+    (["timeline"], "distrib timeline: error: the following arguments are required: ACTION"),
+    (["timeline", "merge", "t.json"], "distrib timeline merge: error: the following arguments are required: "
+                                      "-o/--output"),
+    (["info", "--bogus"], "distrib: error: unrecognized arguments: --bogus"),
+    (["bogus"], "distrib: error: argument COMMAND: invalid choice: 'bogus' (choose from "),
+])
+def test_an_argument_argparse_refuses_is_one_line_without_the_usage(argv, message, capsys):
+    # distrib bench printed its 7-line usage first (distrib train's OneLineParser did not)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(message), err
+
+
+def test_a_file_where_a_folder_of_json_or_plot_must_be_is_named(tmp_path, capsys):
+    # mkdir's "(File exists)" named nothing
+    (tmp_path / "afile").write_text("")
+    for flag, name in (("--json", "x.json"), ("--plot", "sub/x.png")):
+        path = str(tmp_path / "afile" / name)
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["bench", "all_reduce", *QUICK, flag, path])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"distrib bench: error: {flag} must name a file distrib bench can write. Received: {path!r} "
+            f"({str(tmp_path / 'afile')!r} is a file, not a folder)."]
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+REFUSED = "ValueError: DISTRIB_MPI_ANNOUNCEMENTS must be 'shared-memory' or 'messages'. Received: {!r}."
+
+
+@needs_mpirun
+@pytest.mark.parametrize("value, announced", [
+    ("foo", None), ("1", None), ("Messages", "messages"), (" SHARED-MEMORY ", "shared-memory"),
+    ("", "shared-memory"),
+])
+def test_mpi_announcements_take_the_documented_values_in_any_case_and_refuse_the_rest(tmp_path, value, announced):
+    # any value but "messages" meant shared memory, silently ("Messages" and typos included)
+    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, str(MULTI_WORKER / "announcement_values.py"),
+                           str(tmp_path / "report")], capture_output=True, text=True, timeout=120,
+                          env=mpirun_env(DISTRIB_CPU_REPLICAS="1", DISTRIB_MPI_ANNOUNCEMENTS=value))
+    assert done.returncode == 0, done.stderr
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in (0, 1)]
+    expected = {"error": REFUSED.format(value)} if announced is None else {"announcements": announced, "sum": 2.0}
+    assert reports == [expected, expected]
+
+
+@needs_mpirun
+def test_distrib_bench_refuses_mpi_announcements_it_cannot_use_in_one_line():
+    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, "-m", "distrib", "bench", "all_reduce", *QUICK],
+                          capture_output=True, text=True, timeout=120,
+                          env=mpirun_env(DISTRIB_CPU_REPLICAS="1", DISTRIB_MPI_ANNOUNCEMENTS="foo"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("distrib bench")]  # by rank 0 alone
+    assert said == ["distrib bench: error: " + REFUSED.format("foo").removeprefix("ValueError: ")]
