@@ -11,12 +11,14 @@ from distrib import context
 from distrib.backends import Backend
 from distrib.options import coerce_enum
 from distrib.plan import is_inexact
-from distrib.values import DistributedValues, PerReplica, is_zero_scalar, register_leaf_type
+from distrib.values import (DistributedValues, PerReplica, flatten, is_zero_scalar, register_leaf_type,
+                            select_replica)
 from distrib.variables import (IndexedSlices, SparseWrites, Variable, VariableAggregation, VariableSynchronization,
-                               _ArrayOperators, _coerce_aggregation, _update_replica, scatter_rows)
+                               _ArrayOperators, _coerce_aggregation, _update_replica, _ValueSequence, check_shape,
+                               scatter_rows)
 
 
-class DistributedVariable(SparseWrites, _ArrayOperators, DistributedValues):
+class DistributedVariable(SparseWrites, _ValueSequence, _ArrayOperators, DistributedValues):
     """A variable with one component Variable per replica device; the base of Mirrored/SyncOnRead variables."""
 
     _is_distributed_variable = True
@@ -41,7 +43,8 @@ class DistributedVariable(SparseWrites, _ArrayOperators, DistributedValues):
         return None
 
     def _get(self) -> Variable:
-        return self._local() or self._values[0]
+        local = self._local()  # not `or`: a component's truth is its value's
+        return local if local is not None else self._values[0]
 
     @property
     def values(self) -> tuple:
@@ -50,6 +53,12 @@ class DistributedVariable(SparseWrites, _ArrayOperators, DistributedValues):
     @property
     def devices(self) -> tuple[str, ...]:
         return tuple(c.device for c in self._values)
+
+    @property
+    def device(self) -> str:
+        """The current replica's copy's device in a replica context (or inside `extended.update`), else the
+        primary copy's, as TensorFlow's `_get_closest().device`."""
+        return self._get().device
 
     @property
     def name(self) -> str:
@@ -127,14 +136,18 @@ class MirroredVariable(DistributedVariable):
             if local is not None:  # inside extended.update: this component only
                 getattr(local, method)(value)
                 return self
-            if isinstance(value, PerReplica):
+            if isinstance(value, PerReplica) or _holds_per_replica(value):
                 raise ValueError(f"A MirroredVariable can only be given one value, or a Mirrored one, in a "
-                                 f"cross-replica context ({method} of {self._name!r}). Received: a PerReplica; "
-                                 f"reduce it first (strategy.extended.reduce_to).")
+                                 f"cross-replica context ({method} of {self._name!r}). Received: a PerReplica"
+                                 f"{'' if isinstance(value, PerReplica) else ' inside a ' + type(value).__name__}"
+                                 f"; reduce it first (strategy.extended.reduce_to).")
             return self._update_all(method, value)
         if self._aggregation is VariableAggregation.NONE:
             getattr(local, method)(value)
             return self
+        shape = getattr(value, "shape", None)
+        if shape is not None and not isinstance(value, DistributedValues):  # each replica's own mistake raises in
+            check_shape(method, tuple(shape), self.shape, self._name)  # that replica, before any collective
         ctx = context.get_replica_context()
         ctx.merge_call(_merge_mirrored_write, args=(self, method, value))
         return self
@@ -235,16 +248,46 @@ def _first_replica_rows(strategy: Any, component: Variable, indices: Any, values
     return IndexedSlices(first(values), first(indices))
 
 
+def _holds_per_replica(value: Any) -> bool:
+    """Whether `value` is a list or tuple with a PerReplica among its leaves."""
+    return isinstance(value, (list, tuple)) and any(type(leaf) is PerReplica for leaf in flatten(value)[0])
+
+
+def _sequence_as_arrays(strategy: Any, variable: MirroredVariable, value: Any) -> Any:
+    """A list or tuple the replicas wrote, as arrays, so that aggregation sees them (before, each copy took its
+    own replica's list, aggregation skipped). merge_call regrouped it leaf by leaf, as TensorFlow's reduce_to maps
+    over the structure: a PerReplica of each replica's array where any leaf differs between replicas; else the
+    one array every replica gave, which SUM then refuses as it refuses a number, and MEAN applies as it is. SUM
+    refuses a leaf that is the same object on every replica beside ones that differ, as TensorFlow does."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    backend, components = strategy.extended.backend, variable.values
+    leaves = flatten(value)[0]
+    distributed = [isinstance(leaf, DistributedValues) for leaf in leaves]
+    if not any(distributed):
+        return backend.to_device(value, components[0].device)
+    replicas = strategy.num_replicas_in_sync
+    if variable.aggregation is VariableAggregation.SUM and replicas > 1 and \
+            any(not d and not is_zero_scalar(leaf) for leaf, d in zip(leaves, distributed)):
+        raise ValueError(f"A value that is the same object on every replica cannot be SUM-aggregated into "
+                         f"{variable.name!r}: it would be counted {replicas} times. Received: a "
+                         f"{type(value).__name__} with such an element beside per-replica ones; pass per-replica "
+                         f"values, or use aggregation MEAN or ONLY_FIRST_REPLICA.")
+    return PerReplica([backend.to_device(select_replica(i, value), component.device)
+                       for i, component in enumerate(components)])
+
+
 def _merge_mirrored_write(strategy: Any, variable: MirroredVariable, method: str, value: Any) -> None:
     """Cross-replica half of a replica-context write: combine the replicas' values, then update every copy."""
     aggregation = variable.aggregation
+    value = _sequence_as_arrays(strategy, variable, value)
     components = None if isinstance(value, DistributedValues) else strategy.extended._local_components(value)
     if components is not None:  # a process of one replica: its own value, combined with the other processes'
         value = PerReplica(components)  # (and in a job with such a process, every process alike)
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         value = strategy.extended._first_replica_value(value.values[0]) if isinstance(value, PerReplica) else value
     elif isinstance(value, PerReplica):
-        if aggregation is VariableAggregation.MEAN and not is_inexact(variable.dtype):
+        if aggregation is VariableAggregation.MEAN and not _is_floating(variable.dtype):
             raise ValueError(f"Cannot update non-float variable {variable.name!r} with aggregation MEAN: the mean "
                              f"of its replicas' values is not an integer.")
         value = strategy.extended.reduce_to(aggregation.name, value, destinations=variable)
@@ -298,12 +341,19 @@ class SyncOnReadVariable(DistributedVariable):
         if method != "assign" and self._aggregation is VariableAggregation.SUM:
             raise ValueError(f"SyncOnReadVariable {self._name!r} with aggregation SUM does not support {method} in "
                              f"a cross-replica context: the change would be counted once per replica.")
-        if method == "assign" and isinstance(value, PerReplica):  # each copy its replica's value, whatever the
-            return self._update_all(method, value)  # aggregation (SUM too: the copies then add up to their sum)
+        if method == "assign" and (isinstance(value, PerReplica) or _holds_per_replica(value)):
+            # each copy its replica's value (from a list holding PerReplica values too), whatever the aggregation
+            # (SUM too: the copies then add up to their sum)
+            return self._update_all(method, value)
         if method == "assign" and self._aggregation is VariableAggregation.SUM:
             share = np.asarray(self._strategy.extended.backend.to_host(value)) / self._strategy.num_replicas_in_sync
             value = share if is_inexact(self.dtype) else np.trunc(share).astype(self.dtype)  # 7 over 2 -> 3 + 3
         return self._update_all(method, value)
+
+
+def _is_floating(dtype: np.dtype) -> bool:
+    """TensorFlow's `dtype.is_floating`, which MEAN aggregation needs: floats and bfloat16, not complex numbers."""
+    return is_inexact(dtype) and np.dtype(dtype).kind != "c"
 
 
 def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequence[str], initial_value: Any,
@@ -324,9 +374,9 @@ def create_distributed_variable(strategy: Any, backend: Backend, devices: Sequen
         initial_value = initial_value()  # once: every replica starts from the same value
     primary = Variable.__new__(Variable)
     Variable.__init__(primary, initial_value, trainable, None, dtype=dtype, device=devices[0], backend=backend)
-    if aggregation is VariableAggregation.MEAN and not is_inexact(primary.dtype):
+    if aggregation is VariableAggregation.MEAN and not _is_floating(primary.dtype):
         raise ValueError(f"aggregation MEAN needs a floating-point variable. Received: dtype {primary.dtype}; use "
-                         f"SUM or ONLY_FIRST_REPLICA for integers.")
+                         f"SUM or ONLY_FIRST_REPLICA for integers and complex numbers.")
     name = name or "Variable"
     components = []
     for i, device in enumerate(devices):

@@ -1,7 +1,9 @@
 """Variables: a single-device Variable (the components of distributed_variables.py's), its enums and checks.
 
 Reads are zero-copy read-only views; a write happens in place unless a view handed out earlier is still alive,
-in which case it goes to a fresh buffer (copy on write), so a value you read never changes under you.
+in which case it goes to a fresh buffer (copy on write), so a value you read never changes under you. Each write
+(assign, assign_add/sub, scatter_*) holds the variable's lock for its read-modify-write, as TensorFlow's
+resource-variable updates are atomic: replicas writing one variable at once lose no update.
 """
 
 from __future__ import annotations
@@ -20,6 +22,25 @@ import numpy as np
 from distrib import context
 from distrib.backends import Backend, get_backend
 from distrib.options import coerce_enum
+
+
+def can_convert(source: np.dtype, target: np.dtype) -> bool:
+    """Whether values of dtype `source` may be written into dtype `target`: NumPy's `same_kind` rule (no float to
+    integer, complex to real, or anything but bool to bool), ml_dtypes' bfloat16 counted as a float (NumPy's own
+    rule lets complex into it), and any integers into any integers (signed into unsigned too, which `same_kind`
+    refuses): `check_integers_fit` then refuses the values that do not fit."""
+    if source == target:  # the usual write: nothing to decide (each write asks)
+        return True
+    source_kind, target_kind = source.kind, target.kind
+    if source_kind in "iu" and target_kind in "iu":
+        return True
+    if source_kind == "V" or target_kind == "V":  # .name is slow: asked only here
+        source, target = _as_float(source), _as_float(target)
+    return np.can_cast(source, target, casting="same_kind")
+
+
+def _as_float(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float32) if dtype.name == "bfloat16" else dtype
 
 
 def check_numeric(dtype: Any) -> None:
@@ -154,6 +175,45 @@ class _ArrayOperators:
     def __rmatmul__(self, other): return other @ self.value()
     def __neg__(self): return -self.value()
     def __getitem__(self, key): return self.value()[key]
+    def __lt__(self, other): return self.value() < other
+    def __le__(self, other): return self.value() <= other
+    def __gt__(self, other): return self.value() > other
+    def __ge__(self, other): return self.value() >= other
+    def __pow__(self, other): return self.value() ** other
+    def __rpow__(self, other): return other ** self.value()
+    def __floordiv__(self, other): return self.value() // other
+    def __rfloordiv__(self, other): return other // self.value()
+    def __mod__(self, other): return self.value() % other
+    def __rmod__(self, other): return other % self.value()
+    def __abs__(self): return abs(self.value())
+    def __float__(self): return float(self.value())
+    def __int__(self): return int(self.value())
+    def __complex__(self): return complex(self.value())
+    # == and hash stay the object's identity (TensorFlow's variables compare by value only with its
+    # Tensor equality switched on): optimizers and checkpoints key dicts by variable.
+
+
+class _ValueSequence:
+    """Truth, length and iteration of a variable follow its value, as TensorFlow's do: `bool()` is the value's
+    (NumPy's error for several elements), `len()` and iteration go along the first dimension (TypeError for a
+    scalar). Without them `bool(v)` was always True, `list(Variable(0.0))` empty and `len()` of a distributed
+    variable its replica count."""
+
+    def __bool__(self) -> bool:
+        return bool(self.read_value())
+
+    def __len__(self) -> int:
+        shape = self.shape
+        if not shape:
+            raise TypeError(f"len() of a scalar variable ({self.name!r}, shape ()) is not defined, as NumPy's "
+                            f"len() of a 0-d array.")
+        return shape[0]
+
+    def __iter__(self):
+        if not self.shape:
+            raise TypeError(f"iteration over a scalar variable ({self.name!r}, shape ()) is not defined, as over "
+                            f"a 0-d array.")
+        return iter(self.read_value())
 
 
 class SparseWrites:
@@ -194,7 +254,7 @@ class SparseWrites:
         raise NotImplementedError
 
 
-class Variable(SparseWrites, _ArrayOperators, metaclass=_VariableMeta):
+class Variable(SparseWrites, _ValueSequence, _ArrayOperators, metaclass=_VariableMeta):
     """A mutable array on one device. Under `strategy.scope()`, `Variable(...)` creates a distributed variable.
 
     Args:
@@ -226,14 +286,23 @@ class Variable(SparseWrites, _ArrayOperators, metaclass=_VariableMeta):
             initial_value = initial_value()
         value = self._backend.to_device(initial_value, device)
         if dtype is not None:
-            check_integers_fit(value, np.dtype(dtype), f"Variable(dtype={np.dtype(dtype).name})", name)
+            dtype = np.dtype(dtype)
+            if not can_convert(value.dtype, dtype):  # as TensorFlow, which refuses a value its dtype cannot hold
+                into = f" for variable {name!r}" if name else ""
+                raise TypeError(f"Variable(dtype={dtype.name}) cannot convert a value of dtype {value.dtype}"
+                                f"{into}: the cast could change values (0.5 as an integer is 0, 1+2j as a float "
+                                f"1, 0.5 as a bool True). Convert the value first if that is meant.")
+            check_integers_fit(value, dtype, f"Variable(dtype={dtype.name})", name)
             value = value.astype(dtype, copy=False)
         check_numeric(value.dtype)
+        self._lock = threading.Lock()  # held by each write's read-modify-write (and by reads: see read_value)
         self._buffer = self._own(value)
         self._write_serial = 0  # changes at every write (see _writable): lets a reader keep a host copy of the value
         self._created = next(_CREATION_ORDER)  # a program that creates its variables in the same order gives the
         # same numbers again: optimizer slots of variables whose names repeat are saved in this order
-        self.trainable = True if trainable is None else bool(trainable)
+        # ON_READ copies diverge: not trainable unless asked, as in TensorFlow
+        on_read = self._synchronization is VariableSynchronization.ON_READ
+        self.trainable = (not on_read) if trainable is None else bool(trainable)
         self._name = name or "Variable"
         self._distributed_container: weakref.ref | None = None
 
@@ -270,7 +339,8 @@ class Variable(SparseWrites, _ArrayOperators, metaclass=_VariableMeta):
 
     def read_value(self) -> Any:
         """The current value as a read-only view (no copy); later writes never change it."""
-        view = self._buffer.view()
+        with self._lock:  # not in the middle of a write in place: the view holds a finished value, and keeps it
+            view = self._buffer.view()
         if isinstance(view, np.ndarray):
             view.flags.writeable = False
         return view
@@ -280,12 +350,16 @@ class Variable(SparseWrites, _ArrayOperators, metaclass=_VariableMeta):
 
     def numpy(self) -> np.ndarray:
         """A host NumPy copy of the value."""
-        return np.array(self._backend.to_host(self._buffer), copy=True)
+        return np.array(self._backend.to_host(self.read_value()), copy=True)
 
     # -- writing --------------------------------------------------------------------------------------
 
     def _writable(self) -> Any:
-        """The buffer to write in place, or a fresh copy of it when a read view is still alive (copy on write)."""
+        """The buffer to write in place, or a fresh copy of it when a read view is still alive (copy on write).
+
+        A caller that may race with another thread's write of this variable holds `_lock` until it has written
+        and dropped the buffer; otherwise the other's copy on write sees this caller's reference, takes a copy
+        of a half-written buffer and one of the two updates is lost."""
         if sys.getrefcount(self._buffer) > _IDLE_REFCOUNT:
             self._buffer = self._own(self._buffer)
         self._write_serial = next(_WRITE_SERIALS)
@@ -293,45 +367,49 @@ class Variable(SparseWrites, _ArrayOperators, metaclass=_VariableMeta):
 
     def _operand(self, value: Any, what: str) -> Any:
         array = self._backend.to_device(value.read_value() if isinstance(value, Variable) else value, self._device)
-        if array.shape != self._buffer.shape and array.size != 1:
-            try:
-                np.broadcast_shapes(array.shape, self._buffer.shape)
-            except ValueError:
-                raise ValueError(f"{what} needs a value of shape {self.shape} for variable {self._name!r}. "
-                                 f"Received: shape {tuple(array.shape)}.") from None
-            if np.broadcast_shapes(array.shape, self._buffer.shape) != self._buffer.shape:
-                raise ValueError(f"{what} needs a value of shape {self.shape} for variable {self._name!r}. "
-                                 f"Received: shape {tuple(array.shape)}.")
-        if not np.can_cast(array.dtype, self._buffer.dtype, casting="same_kind"):
+        check_shape(what, tuple(array.shape), self.shape, self._name)
+        if not can_convert(array.dtype, self._buffer.dtype):
             raise TypeError(f"{what} cannot write dtype {array.dtype} into variable {self._name!r} of dtype "
                             f"{self._buffer.dtype}.")
         if array.dtype != self._buffer.dtype:
             check_integers_fit(array, self._buffer.dtype, what, self._name)
+            if not np.can_cast(array.dtype, self._buffer.dtype, casting="same_kind"):  # signed into unsigned
+                array = array.astype(self._buffer.dtype)  # integers, checked to fit: the writes' casts refuse it
         return array
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Sets the value; returns the variable."""
+        """Sets the value (of the variable's shape, or a scalar, which fills it); returns the variable.
+
+        Every write is atomic: replicas (threads) writing one variable at once each see the other's update, as
+        with TensorFlow's resource variables (with or without `use_locking`)."""
         operand = self._operand(value, "assign")
-        self._backend.xp.copyto(self._writable(), operand, casting="same_kind")
+        with self._lock:
+            self._backend.xp.copyto(self._writable(), operand, casting="same_kind")
         return self
 
     def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Adds `delta` in place; returns the variable."""
-        buffer = self._writable()
-        self._backend.xp.add(buffer, self._operand(delta, "assign_add"), out=buffer, casting="same_kind")
+        """Adds `delta` (of the variable's shape, or a scalar) in place, atomically; returns the variable."""
+        self._update(self._backend.xp.add, self._operand(delta, "assign_add"))
         return self
 
     def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Subtracts `delta` in place; returns the variable."""
-        buffer = self._writable()
-        self._backend.xp.subtract(buffer, self._operand(delta, "assign_sub"), out=buffer, casting="same_kind")
+        """Subtracts `delta` (of the variable's shape, or a scalar) in place, atomically; returns the variable."""
+        self._update(self._backend.xp.subtract, self._operand(delta, "assign_sub"))
         return self
+
+    def _update(self, ufunc: Any, operand: Any) -> None:
+        """buffer = ufunc(buffer, operand), under the lock (see `_writable`)."""
+        with self._lock:
+            buffer = self._writable()
+            ufunc(buffer, operand, out=buffer, casting="same_kind")
+            del buffer  # before the lock goes: the next writer must not see this reference and copy for nothing
 
     # -- sparse writes: SparseWrites' scatter_* methods call this --------------------------------------------
 
     def _scatter(self, method: str, sparse_delta: Any):
         indices, values = self._sparse_operands(method, sparse_delta)
-        scatter_rows(self._backend.xp, self._writable(), method, indices, values)  # checked first: all or nothing
+        with self._lock:  # checked first: all or nothing
+            scatter_rows(self._backend.xp, self._writable(), method, indices, values)
         return self
 
     def _sparse_operands(self, method: str, sparse_delta: Any) -> tuple[Any, Any]:
@@ -432,7 +510,7 @@ def check_scatter_kind(method: str, dtype: np.dtype, name: str | None) -> None:
 def scatter_values(method: str, values: Any, dtype: np.dtype, name: str | None, what: str) -> Any:
     """A scatter's `values` (`what` they are called, for messages) cast to the variable's `dtype`, once checked:
     a cast of the same kind, integers that fit, no integer division by zero."""
-    if not np.can_cast(values.dtype, dtype, casting="same_kind"):
+    if not can_convert(values.dtype, dtype):
         raise TypeError(f"{method} cannot write dtype {values.dtype} into variable {name!r} of dtype {dtype}.")
     if values.dtype != dtype:
         check_integers_fit(values, dtype, method, name)
@@ -441,6 +519,16 @@ def scatter_values(method: str, values: Any, dtype: np.dtype, name: str | None, 
         raise ValueError(f"{method} cannot divide integers by zero (variable {name!r}). Received: a zero among the "
                          f"{what}.")
     return values
+
+
+def check_shape(what: str, shape: tuple, variable_shape: tuple, name: str | None) -> None:
+    """Raises ValueError unless a value of `shape` may be written into a variable of `variable_shape`: the same
+    shape, as TensorFlow requires ("Shape mismatch"), or a scalar (a number or 0-d array, which fills every
+    element: parameter-server writes pass such a value on to the server's Variable). No other broadcasting: it
+    filled the rows of a (3, 3) variable with a (3, 1) value and tiled a (3,) one."""
+    if shape != variable_shape and shape != ():
+        raise ValueError(f"{what} needs a value of shape {variable_shape} (or a scalar) for variable {name!r}. "
+                         f"Received: shape {shape}: the shapes are incompatible, and only a scalar is broadcast.")
 
 
 def check_integers_fit(array: Any, dtype: np.dtype, what: str, name: str | None) -> None:

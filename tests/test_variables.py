@@ -221,7 +221,9 @@ def test_repr_names_the_class_shape_dtype_and_devices(strategy):
 
 def test_plain_variable_writes_check_shape_and_dtype():
     v = distrib.Variable(np.zeros((2, 2), np.float32))
-    v.assign(np.ones(2, np.float32))  # broadcasts along the leading axis
+    with pytest.raises(ValueError, match=r"shape \(2, 2\)"):  # before: broadcast along the leading axis
+        v.assign(np.ones(2, np.float32))
+    v.assign(np.float32(1))  # a scalar fills it
     assert v.numpy().tolist() == [[1.0, 1.0], [1.0, 1.0]]
     with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
         v.assign(np.ones(3, np.float32))

@@ -11,8 +11,8 @@ from distrib.errors import ParameterServerError
 from distrib import ray_runtime
 from distrib.parameter_server.shard_calls import lookup_rows
 from distrib.parameter_server.write_tags import next_tag
-from distrib.variables import (VariableAggregation, VariableSynchronization, _ArrayOperators, check_integers_fit,
-                               check_scatter_kind, scatter_values, sparse_rows)
+from distrib.variables import (VariableAggregation, VariableSynchronization, _ArrayOperators, can_convert,
+                               check_integers_fit, check_scatter_kind, check_shape, scatter_values, sparse_rows)
 
 
 class Pending:
@@ -198,15 +198,10 @@ class ParameterServerVariable(RowUpdates, _ArrayOperators):
 
 
 def _check_operand(variable: Any, method: str, operand: np.ndarray) -> None:
-    """The rules of `Variable.assign*`, checked before anything travels: a broadcastable shape, a castable dtype."""
-    try:
-        fits = np.broadcast_shapes(operand.shape, variable.shape) == tuple(variable.shape)
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"{method} needs a value of shape {variable.shape} for variable {variable.name!r}. "
-                         f"Received: shape {operand.shape}.")
-    if not np.can_cast(operand.dtype, variable.dtype, casting="same_kind"):
+    """The rules of `Variable.assign*`, checked before anything travels: the variable's shape (or a scalar), a dtype
+    that holds the values, integers that fit."""
+    check_shape(method, tuple(operand.shape), tuple(variable.shape), variable.name)
+    if not can_convert(operand.dtype, variable.dtype):
         raise TypeError(f"{method} cannot write dtype {operand.dtype} into variable {variable.name!r} of dtype "
                         f"{variable.dtype}.")
     check_integers_fit(operand, variable.dtype, method, variable.name)  # the server's cast would wrap them

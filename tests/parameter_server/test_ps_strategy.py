@@ -71,8 +71,19 @@ def test_a_variable_with_one_partition_is_a_plain_variable(strategy):
     assert isinstance(v, distrib.parameter_server.variable.ParameterServerVariable)
     assert not isinstance(beside, distrib.ShardedVariable) and beside.device == v.device
     assert v.assign_add(np.ones(2, np.float32)).numpy().tolist() == [1.0, 1.0]
-    with pytest.raises(ValueError, match=r"^assign_add needs a value of shape \(2,\) for variable 'tiny'"):
+    with pytest.raises(ValueError, match=r"^assign_add needs a value of shape \(2,\) \(or a scalar\) for "
+                                         r"variable 'tiny'"):
         v.assign_add(np.ones(3, np.float32))
+    with strategy.scope():
+        square = distrib.Variable(np.zeros((3, 3), np.float32), name="square")
+    # as distrib.Variable's writes: no broadcasting but a scalar's, no cast that changes values; checked before
+    # anything travels (the server's Variable refused it with its own message)
+    with pytest.raises(ValueError, match=r"^assign needs a value of shape \(3, 3\) \(or a scalar\) for variable "
+                                         r"'square'. Received: shape \(3, 1\)"):
+        square.assign(np.ones((3, 1), np.float32))
+    with pytest.raises(TypeError, match=r"^assign_add cannot write dtype complex64 into variable 'square'"):
+        square.assign_add(np.ones((3, 3), np.complex64))
+    assert square.assign_add(np.float32(2)).numpy().tolist() == [[2.0] * 3] * 3
 
 
 def test_an_unpartitioned_table_looks_rows_up_as_a_sharded_one(strategy):

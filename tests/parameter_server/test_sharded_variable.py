@@ -63,7 +63,8 @@ def test_shards_must_agree():
 
 def test_bad_writes_change_nothing():
     table = sharded(np.zeros((5, 2), np.float32), 2)
-    with pytest.raises(ValueError, match=r"^assign needs a value of shape \(5, 2\) for variable 'table'"):
+    with pytest.raises(ValueError, match=r"^assign needs a value of shape \(5, 2\) \(or a scalar\) for "
+                                         r"variable 'table'"):
         table.assign(np.zeros((4, 2)))
     with pytest.raises(ValueError, match=r"^scatter_add needs row ids in \[0, 5\). Received: ids from 0 to 5"):
         table.scatter_add([0, 5], np.ones((2, 2), np.float32))
