@@ -12,8 +12,10 @@ from distrib.backends.base import Backend
 from distrib.backends.cpu import native_order
 from distrib.errors import CollectiveMismatchError
 
-# Each value's layout on one replica: (length along the gather axis, elements per row, rank, dtype kind, itemsize)
-Layout = tuple[int, int, int, int, int]
+# Each value's layout on one replica: (length along the gather axis, elements per row, rank, dtype kind, itemsize,
+# the gather axis, a hash of the shape off it). The axis and the shape travel too: another process gathering a
+# (2, 2) value along the other axis, or a (3, 4) row against a (4, 3) one, has the same elements per row
+Layout = tuple[int, int, int, int, int, int, int]
 # (this process's per-replica layouts of every value) -> every replica's, of every process, in replica order
 GatherLayouts = Callable[[list[list[Layout]]], list[list[Layout]]]
 
@@ -39,7 +41,7 @@ def batch_all_gather(backend: Backend, per_replica: Sequence[Sequence[Any]], dev
     axes = [axis % value.ndim for value in per_replica[0]]
     fronts = [[value if a == 0 else xp.moveaxis(value, a, 0) for value, a in zip(values, axes)]  # views
               for values in per_replica]
-    layouts = gather_layouts([[_layout(front) for front in values] for values in fronts])
+    layouts = gather_layouts([[_layout(front, a) for front, a in zip(values, axes)] for values in fronts])
     _check_layouts(layouts)
     if len(fronts[0]) == 1 and len({values[0][0] for values in layouts}) == 1:
         return _gathered_alone(backend, fronts, len(layouts), axes[0], devices, timeout)
@@ -72,8 +74,10 @@ def _gathered_alone(backend: Backend, fronts: list[list[Any]], replicas: int, ax
     return [[array if axis == 0 else backend.xp.moveaxis(array, 0, axis)] for array in gathered]
 
 
-def _layout(front: Any) -> Layout:
-    return (front.shape[0], math.prod(front.shape[1:]), front.ndim, ord(front.dtype.kind), front.dtype.itemsize)
+def _layout(front: Any, axis: int) -> Layout:
+    off_axis = tuple(int(n) for n in front.shape[1:])  # a tuple of ints hashes alike in every process
+    return (front.shape[0], math.prod(off_axis), front.ndim, ord(front.dtype.kind), front.dtype.itemsize, axis,
+            hash(off_axis))
 
 
 def _check_layouts(layouts: list[list[Layout]]) -> None:
@@ -84,14 +88,15 @@ def _check_layouts(layouts: list[list[Layout]]) -> None:
         if mine == first:
             continue  # the common case, checked in bulk
         k = next(k for k, (a, b) in enumerate(zip(mine, first)) if a != b)
-        raise CollectiveMismatchError(f"all_gather needs the same dtype and the same shape off the gather axis on "
+        raise CollectiveMismatchError(f"all_gather needs the same dtype, axis and shape off the gather axis on "
                                       f"every replica. Received: replica {replica_id}, value {k}, "
-                                      f"{_described(mine[k])} vs {_described(first[k])}.")
+                                      f"{_described(mine[k])} vs {_described(first[k])}"
+                                      f"{' (another shape off the axis)' if mine[k][:-1] == first[k][:-1] else ''}.")
 
 
 def _described(layout: tuple) -> str:
-    size, rank, kind, itemsize = layout
-    return f"rank {rank} with {size} elements per row of dtype {chr(kind)}{itemsize}"
+    size, rank, kind, itemsize, axis, _ = layout
+    return f"rank {rank} gathered along axis {axis}, with {size} elements per row of dtype {chr(kind)}{itemsize}"
 
 
 def _pack_padded(backend: Backend, fronts: Sequence[Any], buffer: planner.Buffer, longest: list[int],

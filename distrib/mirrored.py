@@ -26,7 +26,7 @@ from distrib import context, timeline
 from distrib.backends import Backend, backend_for_devices
 from distrib.backends.parallel import lend, lent_team
 from distrib.cross_device_ops import CrossDeviceOps, default_cross_device_ops
-from distrib.errors import ContextError, DeadlineExceededError, MergeCallMismatchError
+from distrib.errors import ContextError, DeadlineExceededError, DistribError, MergeCallMismatchError
 from distrib.extended import StrategyExtended
 from distrib.inline_runs import PID, InlineRuns
 from distrib.interrupts import deferred_interrupts
@@ -217,6 +217,7 @@ class MirroredExtended(InlineRuns, StrategyExtended):
                     wake_all(threads)
             return regroup(run.results)
         except BaseException as exc:
+            self._abandon_collective(run)
             self._stop(run, threads, patience(run, exc))
             if run.error is not None and exc is run.error[1] and run.error[0] is not None:
                 name_replica(exc, run.error[0], count)
@@ -237,7 +238,7 @@ class MirroredExtended(InlineRuns, StrategyExtended):
         try:
             # replicas sharing one GPU: its device and stream current while they run (emulated devices have none)
             with contextlib.nullcontext() if self._host_arrays else self._backend.device_scope(self._devices[0]):
-                return regroup(replicas.execute(run, lambda run: self._merge(run, threads)))
+                return regroup(replicas.execute(run, lambda run: self._merge(run, threads), self._abandon_collective))
         except BaseException as exc:
             if run.error is not None and exc is run.error[1] and run.error[0] is not None:
                 name_replica(exc, run.error[0], count)
@@ -245,6 +246,17 @@ class MirroredExtended(InlineRuns, StrategyExtended):
         finally:
             self._cooperative_run = None
             run.drop_references()
+
+    def _abandon_collective(self, run: Run) -> None:
+        """Where the run fails (a replica raised, or returned while others wait) with replicas of this process
+        waiting at a collective it will now never make, refuses that collective: the peer processes that made it
+        raise CollectiveMismatchError instead of pairing it with this process's next one (wrong sums). Not where
+        the merge itself failed: it made, or refused, its collective. Nothing in one process."""
+        if run.error is not None and run.error[0] is None:
+            return
+        if any(s == WAITING and r is not None and r[0] != "merge_call" for s, r in zip(run.status, run.requests)):
+            with contextlib.suppress(DistribError):  # a job already broken: the run's own error says more
+                self._refuse_collective()
 
     def _merge(self, run: Run, threads: list[ReplicaThread]) -> list:
         kinds = [r[0] for r in run.requests]

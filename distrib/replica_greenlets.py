@@ -62,8 +62,10 @@ class ReplicaGreenlets:
             return any(current is g for g in self._greenlets)
         return 0 <= replica_id < len(self._greenlets) and current is self._greenlets[replica_id]
 
-    def execute(self, run: Run, merge: Callable[[Run], list]) -> list:
+    def execute(self, run: Run, merge: Callable[[Run], list], failed: Callable[[Run], None] | None = None) -> list:
         """Runs every replica of `run` to its end, with `merge(run)` at each collective; the results per replica.
+        `failed(run)`, if given, sees a failed run as it stopped, before the replicas waiting at a collective
+        unwind.
 
         Raises the first error in replica order (the replicas after it do not start that phase; those waiting
         at the collective are unwound first), and MergeCallMismatchError when some replicas returned while
@@ -90,6 +92,8 @@ class ReplicaGreenlets:
             return run.results
         except BaseException:
             with deferred_interrupts():  # every waiting replica unwinds, even under a second Ctrl-C
+                if failed is not None:
+                    failed(run)
                 self._restore()
                 self._stop(run)
                 for stack in self._stacks:  # frames an interrupted unwinding left behind

@@ -83,8 +83,8 @@ def as_json(value):
 def test_nested_values_gather_and_reduce_as_one_process_with_four_replicas(job):
     report, _, _ = job
     # each process: one host exchange of every leaf's layout (a row per local replica), then one all_gather per dtype
-    # (2 replicas, 5 leaves x 5 ints each), and no int64 all_gather of them on the devices
-    assert report["nested_all_gather_dtypes"] == ["bool", "float16", "float32", "int32", "sizes (2, 25)"]
+    # (2 replicas, 5 leaves x 7 ints each), and no int64 all_gather of them on the devices
+    assert report["nested_all_gather_dtypes"] == ["bool", "float16", "float32", "int32", "sizes (2, 35)"]
     strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"])
     out = strategy.run(lambda: distrib.get_replica_context().all_gather(
         ragged_nested(distrib.get_replica_context().replica_id_in_sync_group), axis=0))
@@ -96,8 +96,9 @@ def test_nested_values_gather_and_reduce_as_one_process_with_four_replicas(job):
     assert report["nested_gather_of_a_scalar"].startswith("Strategy.gather needs values of rank >= 1 to concatenate "
                                                           "along axis 0. Received: a scalar at path ['scalar'].")
     assert report["all_gather_across_processes_of_other_shapes"] == [
-        "all_gather needs the same dtype and the same shape off the gather axis on every replica. Received: replica 2, "
-        "value 0, rank 2 with 4 elements per row of dtype f4 vs rank 2 with 3 elements per row of dtype f4."] * 2
+        "all_gather needs the same dtype, axis and shape off the gather axis on every replica. Received: replica 2, "
+        "value 0, rank 2 gathered along axis 0, with 4 elements per row of dtype f4 vs rank 2 gathered along axis 0, "
+        "with 3 elements per row of dtype f4."] * 2
     numbers = {key: nested[key] for key in ("f32", "f16", "i32")}
     assert report["nested_reduce_mean_axis0"] == as_json(strategy.reduce("MEAN", numbers, axis=0))
     assert report["nested_reduce_sum_axis0"] == as_json(strategy.reduce("SUM", numbers, axis=0))
@@ -472,7 +473,14 @@ def test_processes_that_pass_different_values_to_a_collective_all_raise_and_go_o
     # each process's replicas agree with each other, so only the processes' announcements can tell: before, an
     # all_reduce returned wrong sums, or raised MPI_ERR_TRUNCATE on one rank only and left the other waiting; and a
     # process that refused its values before a collective left the others one collective behind it
-    assert_every_check_passes("mismatches.py", tmp_path, 27, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)
+    assert_every_check_passes("mismatches.py", tmp_path, 29, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)
+
+
+@pytest.mark.parametrize("execution", ["threads", "cooperative"])
+def test_a_run_that_fails_while_a_replica_waits_at_a_collective_makes_the_peers_raise_and_go_on(tmp_path, execution):
+    # before: rank 1's replica raised (or returned) while its sibling waited at the all_reduce; rank 0's all_reduce
+    # then paired with rank 1's next one and both summed wrong values, without an error
+    assert_every_check_passes("abandoned_collectives.py", tmp_path, 2, 2, DISTRIB_REPLICA_EXECUTION=execution)
 
 
 def test_processes_of_one_and_two_replicas_that_pass_different_values_all_raise_and_go_on(tmp_path):
@@ -481,7 +489,7 @@ def test_processes_of_one_and_two_replicas_that_pass_different_values_all_raise_
     done = mpirun_uneven("mismatches.py", (1, 2), str(tmp_path / "report.json"))
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report) == 27 and all(report.values()), [name for name, ok in report.items() if not ok]
+    assert len(report) == 29 and all(report.values()), [name for name, ok in report.items() if not ok]
 
 
 def test_a_slot_overwritten_by_a_later_collective_reads_as_no_mismatch_and_a_refusal_waits(tmp_path):

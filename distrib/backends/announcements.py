@@ -177,7 +177,8 @@ class Channel:
                         f"values than this rank (another size, shape, dtype, number of values or reduce op)")
         if refused:
             said.append(f"{group.describe(refused)} refused it: it raised on its own values first (its replicas "
-                        f"disagreed, or a value could not be reduced or gathered)")
+                        f"disagreed, or a value could not be reduced or gathered), or its run failed while its "
+                        f"replicas waited at it (one raised, or returned without it)")
         return CollectiveMismatchError(
             f"{what} across processes: {'; '.join(said)}; so no rank made it. Every process must pass values of the "
             f"same structure, shapes and dtypes, and the same op, to each collective, in the same order.")

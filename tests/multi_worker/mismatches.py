@@ -50,11 +50,29 @@ for api, collective in APIS.items():
         except CollectiveMismatchError as error:
             raised = str(error).startswith((  # the announcements' check; all_gather's own, of the sizes it exchanges
                 "all_reduce across processes: rank ", "all_gather (sizes) across processes: rank ",
-                "all_gather needs the same dtype and the same shape off the gather axis on every replica."))
+                "all_gather needs the same dtype, axis and shape off the gather axis on every replica."))
         after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
         right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
         everywhere = MPI.COMM_WORLD.allgather((raised, right))
         report[f"{api}: {case}"] = all(r and ok for r, ok in everywhere)
+
+GATHERS = {  # (rank 0's value and axis, rank 1's): the same elements per row, which the sizes exchanged matched
+    # before: each rank read the other's block transposed, or cut in the wrong places, without an error
+    "another axis": ((np.arange(4, dtype=np.float32).reshape(2, 2), 0),
+                     (np.arange(4, dtype=np.float32).reshape(2, 2), 1)),
+    "another shape off the axis": ((np.ones((2, 3, 4), np.float32), 0), (np.ones((2, 4, 3), np.float32), 0)),
+}
+for case, ((first, first_axis), (second, second_axis)) in GATHERS.items():
+    value, axis = (first, first_axis) if rank == 0 else (second, second_axis)
+    try:
+        strategy.run(lambda: distrib.get_replica_context().all_gather(value, axis))
+        raised = False
+    except CollectiveMismatchError as error:
+        raised = str(error).startswith("all_gather needs the same dtype, axis and shape off the gather axis")
+    after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
+    right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
+    everywhere = MPI.COMM_WORLD.allgather((raised, right))
+    report[f"all_gather: {case}"] = all(r and ok for r, ok in everywhere)
 
 BROADCASTS = {  # (rank 0's value, rank 1's value): broadcast_to sends rank 0's
     "size": (np.ones(3, np.float32), np.ones(4, np.float32)),
