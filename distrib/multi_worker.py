@@ -175,6 +175,8 @@ class MultiWorkerMirroredStrategy(Strategy):
                              f"{tasks} chief and worker tasks in {cluster_resolver!r}.")
         if tasks and cluster_resolver.task_type in ("chief", "worker"):
             cluster_resolver.master()  # raises where its own task is not in its cluster (TF_CONFIG's index past it)
+        if tasks:
+            _check_task_is_rank(cluster_resolver, group.rank)
         self._cluster_resolver = cluster_resolver
         super().__init__(MultiWorkerExtended(self, backend, communication_options, replica_execution))
 
@@ -211,3 +213,24 @@ class MultiWorkerMirroredStrategy(Strategy):
         group = self._extended._group
         return (f"<MultiWorkerMirroredStrategy rank={group.rank} of {group.size}, "
                 f"devices={self._extended.worker_devices}, replicas={self.num_replicas_in_sync}>")
+
+
+def _check_task_is_rank(resolver: ClusterResolver, rank: int) -> None:
+    """ValueError unless the resolver's task is this MPI rank's: the chief (else worker 0) is rank 0, as MPI's
+    rank 0 checkpoints, then the workers in order. Without the check a TF_CONFIG that names another task (or
+    every process worker 0) trains as given, and code that writes where `task_id == 0`, as TensorFlow's examples
+    do, disagrees with `should_checkpoint`; an evaluator or a parameter server would train as a worker."""
+    task_type, task_id = resolver.task_type, resolver.task_id
+    if task_type not in ("chief", "worker"):
+        raise ValueError(f"MultiWorkerMirroredStrategy trains on chief and worker tasks; a task of type "
+                         f"{task_type!r} does not join its replicas (run it without the strategy). Received: task "
+                         f"{task_type}:{task_id} for MPI rank {rank}, from {resolver!r}.")
+    chiefs = len(resolver.cluster_spec().get("chief", ()))
+    position = 0 if task_type == "chief" else chiefs + int(task_id)
+    if position != rank:
+        expected = ("chief:0" if chiefs else "worker:0") if rank == 0 else f"worker:{rank - chiefs}"
+        raise ValueError(f"The cluster resolver's task must be this process's: MPI rank {rank} is {expected} (the "
+                         f"chief, else worker 0, is rank 0, then the workers in order). Received: task "
+                         f"{task_type}:{task_id} from {resolver!r}; set TF_CONFIG's task index per process, or leave "
+                         f"the resolver out (MPIClusterResolver reads the rank).")
+

@@ -476,6 +476,22 @@ def test_processes_that_pass_different_values_to_a_collective_all_raise_and_go_o
     assert_every_check_passes("mismatches.py", tmp_path, 29, replicas, DISTRIB_MPI_ANNOUNCEMENTS=announcements)
 
 
+def test_a_tf_config_task_must_be_the_processes_rank_and_the_chief_rank_0(tmp_path):
+    # before: a TF_CONFIG that swapped the workers' indices trained as given, rank 0 checkpointing as worker:1 while
+    # code that writes where task_id == 0 (TensorFlow's pattern) wrote on rank 1; an evaluator trained as a worker
+    def outcomes(case):
+        done = mpirun("tf_config_tasks.py", case, str(tmp_path / "out.json"), replicas=1)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return [json.loads((tmp_path / f"out.json.{rank}").read_text()) for rank in (0, 1)]
+
+    assert outcomes("in rank order") == [{"task": "worker:0", "chief": True}, {"task": "worker:1", "chief": False}]
+    assert outcomes("a chief") == [{"task": "chief:0", "chief": True}, {"task": "worker:0", "chief": False}]
+    first, second = outcomes("swapped")
+    assert first["error"].startswith("The cluster resolver's task must be this process's: MPI rank 0 is worker:0")
+    assert "Received: task worker:0" in second["error"] and "MPI rank 1 is worker:1" in second["error"]
+    assert "a task of type 'evaluator' does not join its replicas" in outcomes("an evaluator")[1]["error"]
+
+
 @pytest.mark.parametrize("execution", ["threads", "cooperative"])
 def test_a_run_that_fails_while_a_replica_waits_at_a_collective_makes_the_peers_raise_and_go_on(tmp_path, execution):
     # before: rank 1's replica raised (or returned) while its sibling waited at the all_reduce; rank 0's all_reduce
