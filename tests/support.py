@@ -234,3 +234,15 @@ def copy_source_tree(destination: pathlib.Path) -> pathlib.Path:
     for folder in ("distrib", "kernels"):
         shutil.copytree(ROOT / folder, destination / folder, ignore=shutil.ignore_patterns("__pycache__"))
     return destination
+
+
+def train_refusal(capsys, flags: list[str]) -> str:
+    """The one line `distrib train` prints when it refuses `flags` with exit status 2."""
+    from distrib.cli.train import main as train_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_main(flags)
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("distrib train: error: ")
+    return line.removeprefix("distrib train: error: ")

@@ -19,6 +19,7 @@ from distrib.backends import cuda_problem
 from distrib.cli.progress import PlainProgress
 from distrib.cli import train as train_module
 from distrib.cli.train import build_parser, main as train_main
+from support import train_refusal as refusal
 from distrib.cli.train_strategy import blas_threads, make_strategy, replica_devices, replicas_at_once, shared_cores
 
 
@@ -99,16 +100,6 @@ def test_steps_run_ahead_of_the_host_which_reads_their_losses_once_per_refresh(t
     history = json.loads((tmp_path / "history.json").read_text())
     assert len(history["step_loss"]) == steps and steps // 2 in reads  # each epoch's losses in one copy
     assert len(reads) < steps // 2, reads  # the checkpoints' reads, not one or two per step
-
-
-def refusal(capsys, flags: list[str]) -> str:
-    """The one line `distrib train` prints when it refuses `flags` with exit status 2."""
-    with pytest.raises(SystemExit) as exit_info:
-        train_main(flags)
-    assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("distrib train: error: ")
-    return line.removeprefix("distrib train: error: ")
 
 
 @pytest.mark.parametrize("flags, message", [

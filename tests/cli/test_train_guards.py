@@ -18,20 +18,11 @@ from support import interruptible
 from distrib.cli import train as train_module
 from distrib.cli.model import MLP
 from distrib.cli.train import build_parser, main as train_main
+from support import train_refusal as refusal
 
 pytestmark = pytest.mark.timeout(120)
 
 ONE_STEP = ["--replicas", "2", "--global-batch-size", "1442"]  # one step per epoch: its last step is its only one
-
-
-def refusal(capsys, flags: list[str]) -> str:
-    """The one line `distrib train` prints when it refuses `flags` with exit status 2."""
-    with pytest.raises(SystemExit) as exit_info:
-        train_main(flags)
-    assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("distrib train: error: ")
-    return line.removeprefix("distrib train: error: ")
 
 
 # -- 1. non-finite weights ------------------------------------------------------------------------------

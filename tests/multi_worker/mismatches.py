@@ -37,6 +37,16 @@ APIS = {
         op, strategy.experimental_distribute_values_from_function(lambda ctx: value), axis=None),
     "all_gather": lambda op, value: strategy.run(lambda: distrib.get_replica_context().all_gather(value, 0)),
 }
+
+
+def raised_everywhere_and_in_step(raised: bool) -> bool:
+    """Whether every rank raised as it should (`raised`, this rank's) and the next all_reduce then summed right on
+    every rank: the ranks went on in step."""
+    after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
+    right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
+    return all(r and ok for r, ok in MPI.COMM_WORLD.allgather((raised, right)))
+
+
 report = {}
 for api, collective in APIS.items():
     for case, (first, second, first_op, second_op) in CASES.items():
@@ -51,10 +61,7 @@ for api, collective in APIS.items():
             raised = str(error).startswith((  # the announcements' check; all_gather's own, of the sizes it exchanges
                 "all_reduce across processes: rank ", "all_gather (sizes) across processes: rank ",
                 "all_gather needs the same dtype, axis and shape off the gather axis on every replica."))
-        after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
-        right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
-        everywhere = MPI.COMM_WORLD.allgather((raised, right))
-        report[f"{api}: {case}"] = all(r and ok for r, ok in everywhere)
+        report[f"{api}: {case}"] = raised_everywhere_and_in_step(raised)
 
 GATHERS = {  # (rank 0's value and axis, rank 1's): the same elements per row, which the sizes exchanged matched
     # before: each rank read the other's block transposed, or cut in the wrong places, without an error
@@ -69,10 +76,7 @@ for case, ((first, first_axis), (second, second_axis)) in GATHERS.items():
         raised = False
     except CollectiveMismatchError as error:
         raised = str(error).startswith("all_gather needs the same dtype, axis and shape off the gather axis")
-    after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
-    right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
-    everywhere = MPI.COMM_WORLD.allgather((raised, right))
-    report[f"all_gather: {case}"] = all(r and ok for r, ok in everywhere)
+    report[f"all_gather: {case}"] = raised_everywhere_and_in_step(raised)
 
 BROADCASTS = {  # (rank 0's value, rank 1's value): broadcast_to sends rank 0's
     "size": (np.ones(3, np.float32), np.ones(4, np.float32)),
@@ -86,10 +90,7 @@ for case, (first, second) in BROADCASTS.items():
         raised = False
     except CollectiveMismatchError as error:
         raised = str(error).startswith("broadcast across processes: rank ")
-    after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
-    right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
-    everywhere = MPI.COMM_WORLD.allgather((raised, right))
-    report[f"broadcast_to: {case}"] = all(r and ok for r, ok in everywhere)
+    report[f"broadcast_to: {case}"] = raised_everywhere_and_in_step(raised)
 
 
 def refused_value(replica_id: int):
@@ -128,10 +129,7 @@ for api, collective in REFUSALS.items():
     except (ValueError, TypeError) as error:
         raised = rank != 0 or isinstance(error, CollectiveMismatchError) and "rank 1 (pid " in str(error) and \
             "refused it" in str(error)
-    after = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", np.ones(2, np.float32)))
-    right = all(np.array_equal(v, [replicas] * 2) for v in strategy.experimental_local_results(after))
-    everywhere = MPI.COMM_WORLD.allgather((raised, right))
-    report[f"refused by one process: {api}"] = all(r and ok for r, ok in everywhere)
+    report[f"refused by one process: {api}"] = raised_everywhere_and_in_step(raised)
 if rank == 0:
     with open(sys.argv[1], "w") as file:
         json.dump(report, file)
