@@ -9,8 +9,66 @@ from typing import Any
 
 from distrib.mpi_env import mpi_environment
 
-__all__ = ["ClusterResolver", "MPIClusterResolver", "RayClusterResolver", "SlurmClusterResolver",
+__all__ = ["ClusterResolver", "ClusterSpec", "MPIClusterResolver", "RayClusterResolver", "SlurmClusterResolver",
            "TFConfigClusterResolver"]
+
+
+class ClusterSpec(dict):
+    """A cluster as TensorFlow's `tf.train.ClusterSpec` describes it: each job name mapped to its task addresses.
+
+    It is a dict (`spec["worker"]` is the list of worker addresses) with TensorFlow's methods: `as_dict()`,
+    `jobs`, `num_tasks(job)`, `task_indices(job)`, `task_address(job, index)` and `job_tasks(job)`, which raise
+    TensorFlow's ValueError for a job or task the cluster does not have.
+
+    Example:
+      >>> spec = ClusterSpec({"worker": ["w0:2222", "w1:2222"], "ps": ["p0:2222"]})
+      >>> spec.jobs, spec.num_tasks("worker"), spec.task_address("ps", 0)
+      (['worker', 'ps'], 2, 'p0:2222')
+    """
+
+    def __init__(self, cluster: Any = None):
+        super().__init__()
+        for job, tasks in (cluster or {}).items():
+            if not isinstance(tasks, (list, tuple)):
+                raise TypeError(f"The tasks for job {job!r} must be a list of addresses. Received: {tasks!r}.")
+            self[job] = list(tasks)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict of job name to its list of addresses ({} for a job without tasks, as TensorFlow gives)."""
+        return {job: list(tasks) if tasks else {} for job, tasks in self.items()}
+
+    @property
+    def jobs(self) -> list[str]:
+        """The job names of this cluster."""
+        return list(self)
+
+    def _job(self, job_name: str) -> list[str]:
+        try:
+            return self[job_name]
+        except (KeyError, TypeError):
+            raise ValueError(f"No such job in cluster: {job_name!r}") from None
+
+    def num_tasks(self, job_name: str) -> int:
+        """How many tasks the job has. Raises ValueError for a job the cluster does not have."""
+        return len(self._job(job_name))
+
+    def task_indices(self, job_name: str) -> list[int]:
+        """The task indices of the job, in order. Raises ValueError for a job the cluster does not have."""
+        return list(range(len(self._job(job_name))))
+
+    def task_address(self, job_name: str, task_index: int) -> str:
+        """The address of task `task_index` of the job. Raises ValueError for an unknown job or task index."""
+        tasks = self._job(job_name)
+        if isinstance(task_index, bool) or not isinstance(task_index, int) or not 0 <= task_index < len(tasks):
+            raise ValueError(f"No task with index {task_index!r} in job {job_name!r}")
+        return tasks[task_index]
+
+    def job_tasks(self, job_name: str) -> list[str]:
+        """The job's addresses, indexed by task. Raises ValueError for a job the cluster does not have."""
+        return list(self._job(job_name))
+
+    def __bool__(self) -> bool:
+        return bool(len(self))
 
 
 class ClusterResolver:
@@ -20,7 +78,7 @@ class ClusterResolver:
     task_id: int | None = None
     rpc_layer: str | None = None
 
-    def cluster_spec(self) -> dict[str, list[str]]:
+    def cluster_spec(self) -> ClusterSpec:
         raise NotImplementedError
 
     def num_tasks(self, job: str) -> int:
@@ -79,12 +137,12 @@ class TFConfigClusterResolver(ClusterResolver):
         config = _tf_config()
         task = config.get("task", {})
         self.task_type = task_type if task_type is not None else task.get("type")
-        self.task_id = task_id if task_id is not None else task.get("index")
+        self.task_id = task_id if task_id is not None else task.get("index")  # an int: _tf_config converts it
         self.rpc_layer = rpc_layer if rpc_layer is not None else config.get("rpc_layer")
         self._cluster = config.get("cluster", {})
 
-    def cluster_spec(self) -> dict[str, list[str]]:
-        return {job: list(tasks) for job, tasks in self._cluster.items()}
+    def cluster_spec(self) -> ClusterSpec:
+        return ClusterSpec(self._cluster)
 
 
 def local_accelerators() -> dict[str, int]:
@@ -111,9 +169,40 @@ def _tf_config() -> dict[str, Any]:
     if not isinstance(cluster, dict) or not all(isinstance(tasks, (list, dict)) for tasks in cluster.values()):
         raise ValueError(f"TF_CONFIG needs a \"cluster\" object mapping job names to lists of addresses. Received: "
                          f"{raw[:80]!r}.")
-    config["cluster"] = {job: list(tasks.values()) if isinstance(tasks, dict) else tasks
-                         for job, tasks in cluster.items()}
+    config["cluster"] = {job: _task_list(job, tasks, raw) for job, tasks in cluster.items()}
+    task = config.get("task", {})
+    if not isinstance(task, dict):
+        raise ValueError(f"TF_CONFIG's \"task\" must be an object like {{\"type\": \"worker\", \"index\": 0}}. "
+                         f"Received: {task!r}.")
+    if task.get("type") is not None and not isinstance(task["type"], str):
+        raise ValueError(f"TF_CONFIG's task type must be a job name (a string). Received: {task['type']!r}.")
+    if "index" in task:  # TensorFlow reads int(task["index"]): "1" is task 1
+        task = config["task"] = dict(task, index=_task_index(task["index"]))
     return config
+
+
+def _task_index(index: Any) -> int:
+    if isinstance(index, int) and not isinstance(index, bool):
+        return index
+    if isinstance(index, str) and re.fullmatch(r"\s*[-+]?\d+\s*", index):
+        return int(index)
+    if isinstance(index, float) and index.is_integer():
+        return int(index)
+    raise ValueError(f"TF_CONFIG's task index must be an integer. Received: {index!r}.")
+
+
+def _task_list(job: str, tasks: list | dict, raw: str) -> list:
+    """A job's addresses as a list; a {"0": address, "1": ...} object is put in the order of its indices."""
+    if isinstance(tasks, list):
+        return tasks
+    try:
+        indexed = {_task_index(index): address for index, address in tasks.items()}
+    except ValueError:
+        indexed = None
+    if indexed is None or sorted(indexed) != list(range(len(indexed))):
+        raise ValueError(f"TF_CONFIG's job {job!r} must number its tasks 0, 1, ... without gaps. Received: "
+                         f"{list(tasks)}.")
+    return [indexed[index] for index in range(len(indexed))]
 
 
 class RayClusterResolver(ClusterResolver):
@@ -141,7 +230,7 @@ class RayClusterResolver(ClusterResolver):
         self._spec: dict[str, list[str]] | None = None
         self.task_type, self.task_id = "chief", 0
 
-    def cluster_spec(self) -> dict[str, list[str]]:
+    def cluster_spec(self) -> ClusterSpec:
         if self._spec is None:
             from distrib.ray_runtime import ensure_cluster
 
@@ -152,7 +241,7 @@ class RayClusterResolver(ClusterResolver):
             num_workers = self._num_workers or max(1, cpus // 2)
             self._spec = {"chief": [nodes[0]], "worker": [nodes[i % len(nodes)] for i in range(num_workers)],
                           "ps": [nodes[i % len(nodes)] for i in range(num_ps)]}
-        return {job: list(tasks) for job, tasks in self._spec.items()}
+        return ClusterSpec(self._spec)
 
 
 class MPIClusterResolver(ClusterResolver):
@@ -179,8 +268,8 @@ class MPIClusterResolver(ClusterResolver):
                              f"({self.launcher} environment).")
         self.task_type = task_type
 
-    def cluster_spec(self) -> dict[str, list[str]]:
-        return {self.task_type: [f"mpi:{rank}" for rank in range(self.size)]}
+    def cluster_spec(self) -> ClusterSpec:
+        return ClusterSpec({self.task_type: [f"mpi:{rank}" for rank in range(self.size)]})
 
 
 class SlurmClusterResolver(ClusterResolver):
@@ -209,6 +298,9 @@ class SlurmClusterResolver(ClusterResolver):
     def __init__(self, jobs: dict[str, int] | None = None, port_base: int = 8888, gpus_per_node: int | None = None,
                  rpc_layer: str | None = None):
         rank, size = _slurm_int("SLURM_PROCID"), _slurm_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+        if not 0 <= rank < size:
+            raise ValueError(f"The Slurm rank (SLURM_PROCID) must lie in [0, size). Received: rank {rank} of {size} "
+                             f"tasks.")
         nodes = expand_hostlist(_slurm("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
         per_node = expand_tasks_per_node(_slurm("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
         if len(per_node) != len(nodes) or sum(per_node) != size:
@@ -216,6 +308,8 @@ class SlurmClusterResolver(ClusterResolver):
                              f"{nodes}, tasks per node {per_node}.")
         addresses = [f"{node}:{port_base + k}" for node, count in zip(nodes, per_node) for k in range(count)]
         jobs = {"worker": size} if jobs is None else dict(jobs)
+        if any(isinstance(count, bool) or not isinstance(count, int) or count < 0 for count in jobs.values()):
+            raise ValueError(f"jobs must map job names to task counts (integers >= 0). Received: {jobs}.")
         if sum(jobs.values()) != size:
             raise ValueError(f"jobs must account for every one of the {size} Slurm tasks. Received: {jobs}.")
         self._cluster, first = {}, 0
@@ -226,8 +320,8 @@ class SlurmClusterResolver(ClusterResolver):
             first += count
         self._gpus_per_node, self.rpc_layer = gpus_per_node, rpc_layer
 
-    def cluster_spec(self) -> dict[str, list[str]]:
-        return {job: list(tasks) for job, tasks in self._cluster.items()}
+    def cluster_spec(self) -> ClusterSpec:
+        return ClusterSpec(self._cluster)
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict[str, int]:
         if self._gpus_per_node is None:
@@ -254,21 +348,54 @@ def _slurm_int(*names: str) -> int:
 def expand_hostlist(hostlist: str) -> list[str]:
     """Slurm's compressed host list expanded: "gpu[01-02,05],login" -> ["gpu01", "gpu02", "gpu05", "login"].
 
+    As TensorFlow's SlurmClusterResolver reads it: each comma-separated item (commas inside brackets do not split)
+    is a prefix and at most one bracketed list of N or N-M ranges, which keep their zero padding.
+
+    Raises:
+      ValueError: the list is not of that form ("rack[1-2]-node[01-02]", "node[01-02", "n]1", "n[3-1]").
+
     Example:
       >>> expand_hostlist("n[1-3],m7")
       ['n1', 'n2', 'n3', 'm7']
     """
+    def invalid(why: str) -> ValueError:
+        return ValueError(f"Invalid hostlist format {hostlist!r}: {why}. Slurm host lists look like "
+                          f"'gpu[01-03,7],login'.")
+
+    items, item, in_brackets = [], "", False
+    for char in hostlist:
+        if char == "[":
+            if in_brackets:
+                raise invalid("a '[' inside brackets")
+            in_brackets = True
+        elif char == "]":
+            in_brackets = False  # a ']' without its '[' is refused by the item's pattern below
+        elif char == "," and not in_brackets:
+            if not item:
+                raise invalid("an empty host name")
+            items.append(item)
+            item = ""
+            continue
+        item += char
+    if in_brackets:
+        raise invalid("a '[' without its ']'")
+    if item:  # a trailing comma adds no host, as in TensorFlow
+        items.append(item)
     hosts = []
-    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]*)\])?([^,\[]*),?", hostlist):
-        if not ranges:
-            hosts.append(prefix + suffix)
+    for item in items:
+        match = re.fullmatch(r"([^,\[\]]*)(?:\[([^\]]+)\])?", item)
+        if match is None:
+            raise invalid(f"{item!r} is not a host name with at most one bracketed range list at its end")
+        prefix, ranges = match.groups()
+        if ranges is None:
+            hosts.append(prefix)
             continue
         for part in ranges.split(","):
-            low, _, high = part.partition("-")
-            if not low.isdigit() or (high and not high.isdigit()):
-                raise ValueError(f"A Slurm host list range must be N or N-M. Received: {part!r} in {hostlist!r}.")
-            width = len(low)
-            hosts.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(int(low), int(high or low) + 1))
+            bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+            if bounds is None or int(bounds.group(2) or bounds.group(1)) < int(bounds.group(1)):
+                raise invalid(f"the range {part!r} is not N or N-M with N <= M")
+            low, high = bounds.group(1), bounds.group(2) or bounds.group(1)
+            hosts.extend(f"{prefix}{n:0{len(low)}d}" for n in range(int(low), int(high) + 1))
     return hosts
 
 
