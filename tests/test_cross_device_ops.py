@@ -376,13 +376,13 @@ def test_batch_all_gather_sends_every_length_in_one_exchange_and_each_dtype_in_o
 
 
 @pytest.mark.parametrize("other, described", [
-    (np.zeros((2, 4), np.float32), "rank 2 with 4 elements per row of dtype f4"),
-    (np.zeros((2, 3), np.int32), "rank 2 with 3 elements per row of dtype i4")])
+    (np.zeros((2, 4), np.float32), "rank 2 gathered along axis 0, with 4 elements per row of dtype f4"),
+    (np.zeros((2, 3), np.int32), "rank 2 gathered along axis 0, with 3 elements per row of dtype i4")])
 def test_batch_all_gather_names_the_replica_and_value_whose_layout_differs(other, described):
     per_replica = [[np.ones(2), np.zeros((1, 3), np.float32)], [np.ones(1), other]]
-    with pytest.raises(CollectiveMismatchError, match=r"^all_gather needs the same dtype and the same shape off the "
-                       rf"gather axis on every replica\. Received: replica 1, value 1, {described} vs rank 2 with 3 "
-                       r"elements per row of dtype f4\."):
+    with pytest.raises(CollectiveMismatchError, match=r"^all_gather needs the same dtype, axis and shape off the "
+                       rf"gather axis on every replica\. Received: replica 1, value 1, {described} vs rank 2 gathered "
+                       r"along axis 0, with 3 elements per row of dtype f4\."):
         CollectiveAllReduce().batch_all_gather(CpuBackend(), per_replica, devices(2), 0)
 
 
