@@ -31,7 +31,7 @@ def test_the_function_runs_on_the_calling_thread_and_starts_no_thread(one):
     seen = one.run(lambda: (threading.get_ident(), distrib.get_replica_context().replica_id_in_sync_group,
                             distrib.in_cross_replica_context(), distrib.get_strategy() is one))
     assert seen == (threading.get_ident(), 0, False, True)
-    assert replica_threads() == before
+    assert not replica_threads() - before  # none started (an earlier test's retired threads may end meanwhile)
     assert distrib.get_strategy() is not one and distrib.get_replica_context().num_replicas_in_sync == 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import signal
@@ -136,7 +137,11 @@ def test_an_exhausted_iterator_raises_out_of_range_not_stop_iteration(coordinato
         coordinator.join()
     with pytest.raises(OutOfRangeError):
         list(map(lambda r: r.fetch(), results))
-    assert sorted(r.fetch() for r in results if r._error is None) == sorted(list(range(5)) * 2)
+    # closures go to whichever worker is free: one that runs out first refuses the rest, so how many succeed varies;
+    # none reads an element twice, and every failure is the end of input
+    values = [r.fetch() for r in results if r._error is None]
+    assert collections.Counter(values) <= collections.Counter(list(range(5)) * 2) and len(values) >= 5, values
+    assert all(isinstance(r._error, OutOfRangeError) for r in results if r._error is not None)
 
 
 def test_remote_values_in_arguments_become_their_results(coordinator):
