@@ -90,12 +90,9 @@ class CrossDeviceOps:
 def _reduce_on(backend: Backend, op: ReduceOp, components: Sequence[Any], target: str,
                accumulation_fn: Callable | None = None) -> Any:
     """The SUM or MEAN of same-shaped per-device arrays, computed on `target` (integer MEAN: a float result)."""
-    if accumulation_fn is not None:
-        if timeline.recording is None:
+    if accumulation_fn is not None:  # the sum in add_n's place, on the timeline as add_n's is
+        with timeline.span("add_n", "collective", (target,), {"bytes": int(getattr(components[0], "nbytes", 0))}):
             total = accumulation_fn([backend.copy(c, target) for c in components])
-        else:  # the sum in add_n's place, on the timeline as add_n's is
-            with timeline.span("add_n", "collective", (target,), {"bytes": int(getattr(components[0], "nbytes", 0))}):
-                total = accumulation_fn([backend.copy(c, target) for c in components])
     else:
         total = backend.add_n(list(components), target)
     if op is ReduceOp.MEAN:

@@ -11,7 +11,7 @@ from distrib import context
 from distrib.backends import Backend
 from distrib.options import coerce_enum
 from distrib.plan import is_inexact
-from distrib.values import (DistributedValues, PerReplica, flatten, is_zero_scalar, register_leaf_type,
+from distrib.values import (DistributedValues, PerReplica, flatten, holds_leaf, is_zero_scalar, register_leaf_type,
                             select_replica)
 from distrib.variables import (IndexedSlices, SparseWrites, Variable, VariableAggregation, VariableSynchronization,
                                _ArrayOperators, _coerce_aggregation, _update_replica, _ValueSequence, check_shape,
@@ -136,7 +136,7 @@ class MirroredVariable(DistributedVariable):
             if local is not None:  # inside extended.update: this component only
                 getattr(local, method)(value)
                 return self
-            if isinstance(value, PerReplica) or _holds_per_replica(value):
+            if isinstance(value, PerReplica) or holds_leaf(value, PerReplica, (list, tuple)):
                 raise ValueError(f"A MirroredVariable can only be given one value, or a Mirrored one, in a "
                                  f"cross-replica context ({method} of {self._name!r}). Received: a PerReplica"
                                  f"{'' if isinstance(value, PerReplica) else ' inside a ' + type(value).__name__}"
@@ -248,11 +248,6 @@ def _first_replica_rows(strategy: Any, component: Variable, indices: Any, values
     return IndexedSlices(first(values), first(indices))
 
 
-def _holds_per_replica(value: Any) -> bool:
-    """Whether `value` is a list or tuple with a PerReplica among its leaves."""
-    return isinstance(value, (list, tuple)) and any(type(leaf) is PerReplica for leaf in flatten(value)[0])
-
-
 def _sequence_as_arrays(strategy: Any, variable: MirroredVariable, value: Any) -> Any:
     """A list or tuple the replicas wrote, as arrays, so that aggregation sees them (before, each copy took its
     own replica's list, aggregation skipped). merge_call regrouped it leaf by leaf, as TensorFlow's reduce_to maps
@@ -341,7 +336,7 @@ class SyncOnReadVariable(DistributedVariable):
         if method != "assign" and self._aggregation is VariableAggregation.SUM:
             raise ValueError(f"SyncOnReadVariable {self._name!r} with aggregation SUM does not support {method} in "
                              f"a cross-replica context: the change would be counted once per replica.")
-        if method == "assign" and (isinstance(value, PerReplica) or _holds_per_replica(value)):
+        if method == "assign" and (isinstance(value, PerReplica) or holds_leaf(value, PerReplica, (list, tuple))):
             # each copy its replica's value (from a list holding PerReplica values too), whatever the aggregation
             # (SUM too: the copies then add up to their sum)
             return self._update_all(method, value)

@@ -25,8 +25,8 @@ from distrib.options import CommunicationOptions, ReduceOp, RunOptions
 from distrib.reduce_inputs import (PER_REPLICA, REDUCIBLE, check_reduce_inputs, component_array, never_placed,
                                    placed_batch)
 from distrib.replica_context import normalize_axes
-from distrib.values import (DistributedValues, Mirrored, PerReplica, flatten, is_zero_scalar, local_components,
-                            regroup, register_leaf_type, select_replicas, unflatten)
+from distrib.values import (DistributedValues, Mirrored, PerReplica, flatten, holds_leaf, is_zero_scalar,
+                            local_components, regroup, register_leaf_type, select_replicas, unflatten)
 from distrib.variables import Variable, VariableAggregation, VariableSynchronization, update_context
 
 NOT_NOW = object()  # `_run_at_once`: this run takes the general path
@@ -43,8 +43,7 @@ def _sum_dtype(dtype: np.dtype) -> np.dtype | None:
 def _refuse_nested_distributed(value: Any, position: int) -> None:
     """TypeError where a pair of batch_reduce_to holds distributed values inside a structure: taken as one plain
     value, it would come back unreduced (MEAN) or be refused as non-distributed (SUM)."""
-    if isinstance(value, (dict, list, tuple)) and \
-            any(isinstance(leaf, DistributedValues) for leaf in flatten(value)[0]):
+    if holds_leaf(value, DistributedValues):
         raise TypeError(f"batch_reduce_to takes one distributed value per (value, destinations) pair; pair "
                         f"{position}'s value is a {type(value).__name__} holding distributed values. Pass each as a "
                         f"pair of its own, or use reduce_to, which reduces a structure leaf by leaf.")

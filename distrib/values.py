@@ -256,6 +256,11 @@ def _missing_components(value: DistributedValues, count: int, exact: bool) -> st
     return None
 
 
+def holds_leaf(value: Any, kind: type, containers: tuple = (dict, list, tuple)) -> bool:
+    """Whether `value` is one of `containers` with a leaf of `kind` (a PerReplica, any distributed value) in it."""
+    return isinstance(value, containers) and any(isinstance(leaf, kind) for leaf in flatten(value)[0])
+
+
 def local_components(value: Any) -> tuple | None:
     """The per-replica components of a distributed value or variable; None for anything else."""
     return tuple(value.values) if isinstance(value, DistributedValues) else None
