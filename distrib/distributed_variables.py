@@ -150,7 +150,9 @@ class MirroredVariable(DistributedVariable):
             check_shape(method, tuple(shape), self.shape, self._name)  # that replica, before any collective
         ctx = context.get_replica_context()
         ctx.merge_call(_merge_mirrored_write, args=(self, method, value))
-        return self
+        # the value this write left, as TensorFlow returns it: a read-only view that later writes never change (the
+        # variable itself would read as the last write's value, so a kept step result would change under it)
+        return local.read_value()
 
     def _scatter(self, method: str, sparse_delta: Any):
         aggregation = self._aggregation

@@ -312,9 +312,18 @@ def test_mean_assign_add_of_1_2_3_4_adds_2_5_to_every_copy(strategy):
     assert copies(v) == [[2.5, 102.5]] * 4
 
 
-def test_replica_context_write_returns_the_variable(strategy):
-    v = mirrored(strategy, 0.0, SUM)
-    assert strategy.run(lambda: v.assign_add(np.float32(1))) is v
+def test_replica_context_write_returns_the_value_it_left_which_later_writes_never_change(strategy):
+    # as TensorFlow's: before, the variable itself came back, so a kept history of step results read the last value
+    for aggregation in (SUM, MEAN, FIRST):
+        v = mirrored(strategy, 0.0, aggregation)
+        history = [strategy.run(lambda: v.assign_add(np.full((), replica_id() + 1, np.float32)))
+                   for _ in range(3)]
+        delta = {SUM: 10.0, MEAN: 2.5, FIRST: 1.0}[aggregation]  # 4 replicas adding 1, 2, 3, 4
+        for k, result in enumerate(history, start=1):
+            assert isinstance(result, PerReplica)
+            assert [float(x) for x in strategy.experimental_local_results(result)] == [k * delta] * 4
+        v.assign(np.float32(100))
+        assert [float(x) for x in strategy.experimental_local_results(history[0])] == [delta] * 4
 
 
 def test_sum_of_the_same_object_on_every_replica_raises(strategy):
