@@ -22,6 +22,9 @@ class History:
     step_loss: list[float] = field(default_factory=list)
     epoch_end_step: list[int] = field(default_factory=list)
     test_accuracy: list[float] = field(default_factory=list)
+    # the epochs run before the curve starts: a history restarted on a resume (its file was damaged) starts at the
+    # checkpoint's, so that the next resume finds it whole instead of short and restarts it again
+    first_epoch: int = 0
 
     def end_epoch(self, test_accuracy: float) -> None:
         self.epoch_end_step.append(len(self.step_loss))
@@ -38,8 +41,15 @@ class History:
         """The first `epochs` epochs of a saved history (a history may hold more epochs than the checkpoint beside
         it, from runs written before it came after the checkpoint, and fewer where a run was killed between the two)."""
         saved = cls(**json.loads(path.read_text())) if path.exists() else cls()
-        steps = saved.epoch_end_step[epochs - 1] if 0 < epochs <= len(saved.epoch_end_step) else 0
-        return cls(saved.step_loss[:steps], saved.epoch_end_step[:epochs], saved.test_accuracy[:epochs])
+        kept = max(0, epochs - saved.first_epoch)  # of its own epochs
+        steps = saved.epoch_end_step[kept - 1] if 0 < kept <= len(saved.epoch_end_step) else 0
+        return cls(saved.step_loss[:steps], saved.epoch_end_step[:kept], saved.test_accuracy[:kept],
+                   saved.first_epoch)
+
+    @property
+    def last_epoch(self) -> int:
+        """The epochs of the run this history reaches to (its first epoch's predecessors included)."""
+        return self.first_epoch + len(self.test_accuracy)
 
 
 class TrainingDiverged(ArithmeticError):

@@ -398,14 +398,14 @@ def load_history(path: Path, epochs: int, warn: bool = True) -> History:
     except (ValueError, TypeError, OSError) as exc:  # json.JSONDecodeError is a ValueError; wrong fields a TypeError
         problem = f"is damaged ({exc})"
     else:
-        if len(history.test_accuracy) == epochs:
+        if history.last_epoch == epochs and history.first_epoch <= epochs:
             return history
         problem = (f"holds {len(history.test_accuracy)} of the checkpoint's {epochs} epochs" if path.exists()
                    else "is missing")
     if warn:
         print(f"distrib train: {path} {problem}; resuming from the checkpoint, with the loss curve restarting at "
               f"epoch {epochs + 1}.", file=sys.stderr)
-    return History()
+    return History(first_epoch=epochs)
 
 
 def stopped(args: argparse.Namespace, argv: list[str], why: str) -> None:

@@ -78,7 +78,8 @@ def test_a_run_stopped_between_the_checkpoint_and_the_history_resumes(tmp_path, 
     flags = [*ONE_STEP, "--out", str(tmp_path)]
     assert train_main([*flags, "--epochs", "2"]) == 0
     history = json.loads((tmp_path / "history.json").read_text())
-    (tmp_path / "history.json").write_text(json.dumps({key: value[:1] for key, value in history.items()}))
+    (tmp_path / "history.json").write_text(json.dumps({key: value[:1] if isinstance(value, list) else value
+                                                       for key, value in history.items()}))
     capsys.readouterr()
     assert train_main([*flags, "--epochs", "3", "--resume"]) == 0  # killed after epoch 2's checkpoint
     assert (f"distrib train: {tmp_path / 'history.json'} holds 1 of the checkpoint's 2 epochs; resuming from the "
@@ -87,6 +88,10 @@ def test_a_run_stopped_between_the_checkpoint_and_the_history_resumes(tmp_path, 
     assert train_main([*flags, "--epochs", "4", "--resume"]) == 0
     assert f"{tmp_path / 'history.json'} is missing; resuming" in capsys.readouterr().err
     assert json.loads((tmp_path / "history.json").read_text())["epoch_end_step"] == [1]  # epoch 4's alone
+    assert train_main([*flags, "--epochs", "6", "--resume"]) == 0  # the restarted curve goes on, not again
+    assert "restarting" not in capsys.readouterr().err
+    saved = json.loads((tmp_path / "history.json").read_text())
+    assert saved["first_epoch"] == 3 and saved["epoch_end_step"] == [1, 2, 3]  # epochs 4, 5 and 6
 
 
 def test_an_out_with_a_history_but_no_checkpoint_says_to_start_over_with_overwrite(tmp_path, capsys):
