@@ -97,7 +97,8 @@ class DistributedVariable(SparseWrites, _ValueSequence, _ArrayOperators, Distrib
         raise NotImplementedError
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Sets the value, following the variable's synchronization and aggregation; returns the variable."""
+        """Sets the value, following the variable's synchronization and aggregation; returns the variable (a
+        MirroredVariable's write in a replica context with an aggregation: the value it left, as TensorFlow's)."""
         return self._write("assign", value)
 
     def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):

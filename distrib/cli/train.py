@@ -398,9 +398,9 @@ def load_history(path: Path, epochs: int, warn: bool = True) -> History:
     except (ValueError, TypeError, OSError) as exc:  # json.JSONDecodeError is a ValueError; wrong fields a TypeError
         problem = f"is damaged ({exc})"
     else:
-        if history.last_epoch == epochs and history.first_epoch <= epochs:
+        if history.last_epoch == epochs:  # `load` keeps none of a history that starts past the checkpoint
             return history
-        problem = (f"holds {len(history.test_accuracy)} of the checkpoint's {epochs} epochs" if path.exists()
+        problem = (f"holds {history.last_epoch} of the checkpoint's {epochs} epochs" if path.exists()
                    else "is missing")
     if warn:
         print(f"distrib train: {path} {problem}; resuming from the checkpoint, with the loss curve restarting at "
