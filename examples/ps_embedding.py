@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=2)
     args = parser.parse_args()
+    for flag in ("vocab", "dim", "bag", "batch_size", "steps", "workers", "ps"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1. Received: {getattr(args, flag)}.")
     if distrib.cluster_resolver.MPIClusterResolver().num_tasks("worker") > 1:  # every rank would train its own model
         parser.error("this is one coordinator, which starts its workers and parameter servers as Ray actors: run it "
                      "without mpirun (--workers and --ps set their numbers)")
@@ -55,7 +58,8 @@ def main() -> None:
         bias = distrib.Variable(np.zeros(1, np.float32), name="bias")
         optimizer = distrib.optimizers.Adam(learning_rate=0.01)
         optimizer.build([dense, bias])  # slots beside their variables, before any step runs
-    print(f"{table!r} on {[v.device for v in table.variables]}")
+    shards = getattr(table, "variables", [table])  # a table below min_shard_bytes stays in one piece
+    print(f"{table!r} on {[v.device for v in shards]}")
 
     coordinator = ClusterCoordinator(strategy)
     dataset = coordinator.create_per_worker_dataset(
@@ -82,7 +86,7 @@ def main() -> None:
 
     start = time.perf_counter()
     losses = [coordinator.schedule(train_step, args=(iterator,)) for _ in range(args.steps)]
-    for k in range(0, args.steps, args.steps // 6):  # results arrive while later steps still run
+    for k in range(0, args.steps, max(1, args.steps // 6)):  # results arrive while later steps still run
         print(f"step {k:5d}  loss {losses[k].fetch():.4f}")
     coordinator.join()
     elapsed = time.perf_counter() - start

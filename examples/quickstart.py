@@ -64,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args(argv)
+    for flag, value in (("--replicas", args.replicas), ("--steps", args.steps), ("--rows", args.rows)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1. Received: {value}.")
+    if not 0 < args.lr < float("inf"):
+        parser.error(f"--lr must be a finite number above 0. Received: {args.lr}.")
 
     if distrib.cluster_resolver.MPIClusterResolver().num_tasks("worker") > 1:  # launched by mpirun -np N (N > 1)
         if args.replicas is not None:  # read when the strategy is made: this process's emulated devices
@@ -73,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         devices = None if args.replicas is None else [f"CPU:{i}" for i in range(args.replicas)]
         strategy = distrib.MirroredStrategy(devices)
     chief = strategy.extended.should_checkpoint  # rank 0 of a multi-worker job; True in one process
+    if args.rows % strategy.num_replicas_in_sync:  # each replica takes an equal slice
+        parser.error(f"--rows must divide evenly over the {strategy.num_replicas_in_sync} replicas. Received: "
+                     f"{args.rows}.")
     x, y, true_w = make_data(args.rows, 8)
     report = print if chief else (lambda *_: None)  # the chief alone reports
     report(f"strategy: {strategy!r}, {strategy.num_replicas_in_sync} replicas, {args.rows} rows")
@@ -87,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     w1, b1, _ = train(distrib.MirroredStrategy([strategy.extended.worker_devices[0]]), x, y, args.steps, args.lr)
     report(f"max |w - w_1 replica| = {np.abs(w - w1).max():.2e}, |b - b_1 replica| = {abs(b - b1):.2e}")
     report(f"max |w - true w|      = {np.abs(w - true_w).max():.2e}, b = {b:.4f} (true 0.5)")
+    if not np.isfinite(w).all():  # the step size, not data parallelism: one replica diverges alike
+        raise SystemExit(f"training diverged (the weights are not finite): a smaller --lr than {args.lr} converges")
     if not np.allclose(w, w1, rtol=1e-5, atol=1e-5):
         raise SystemExit("data-parallel training diverged from single-replica training")
 

@@ -39,6 +39,14 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the replicas")
     parser.add_argument("--learning-rate", type=float, default=0.003)
     args = parser.parse_args()
+    x_train, y_train, x_test, y_test = load_digits()
+    for flag, value in (("--replicas", args.replicas), ("--epochs", args.epochs), ("--batch-size", args.batch_size)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1. Received: {value}.")
+    if args.batch_size > len(x_train):  # no full batch: no step would run
+        parser.error(f"--batch-size must be at most the {len(x_train)} training rows. Received: {args.batch_size}.")
+    if not 0 < args.learning_rate < float("inf"):
+        parser.error(f"--learning-rate must be a finite number above 0. Received: {args.learning_rate}.")
 
     if distrib.cluster_resolver.MPIClusterResolver().num_tasks("worker") > 1:  # launched by mpirun -np N (N > 1)
         if args.replicas is not None:  # read when the strategy is made: this process's emulated devices
@@ -49,7 +57,6 @@ def main() -> None:
         strategy = distrib.MirroredStrategy(devices)
     chief = strategy.extended.should_checkpoint  # rank 0 of a multi-worker job; True in one process
     xp = strategy.extended.backend.xp  # numpy on the CPU emulator, cupy on GPUs
-    x_train, y_train, x_test, y_test = load_digits()
     with strategy.scope():
         model = MLP(xp, x_train.shape[1], 128, 10, seed=0)  # its weights become MirroredVariables
         optimizer = distrib.optimizers.Adam(args.learning_rate)
