@@ -31,3 +31,10 @@ def mpi_environment() -> tuple[str, int, int, int, int] | None:
             return (launcher, env_int(rank), env_int(size), env_int(local_rank) if has_local else 0,
                     env_int(local_size) if has_local else 1)
     return None
+
+
+def reports_for_the_job() -> bool:
+    """Whether this process says what every rank of its job finds alike (a bad flag): alone, or rank 0 of an MPI
+    job, so that such a message is printed once rather than once per rank."""
+    launched = mpi_environment()
+    return launched is None or launched[1] == 0

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from distrib.cli.info import run
     from distrib.errors import WorkerFailedError
-    from distrib.mpi_env import mpi_environment
+    from distrib.mpi_env import reports_for_the_job
 
     files = [f for f in (getattr(args, "json", None), getattr(args, "plot", None)) if isinstance(f, str)]
     not_written = f"; {' and '.join(files)} not written" if files else ""
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"distrib {args.command}: interrupted{not_written}.\n")
         return 130
     except WorkerFailedError as exc:  # under mpirun: Ctrl-C reached mpirun, which ends every rank; or a rank failed
-        launched = mpi_environment()
-        if launched is None or launched[1] == 0 or 0 in exc.ranks:  # rank 0 reports, or the others if it died
+        if reports_for_the_job() or 0 in exc.ranks:  # rank 0 reports, or the others if it died
             sys.stderr.write(f"distrib {args.command}: stopped{not_written}: {exc}\n")  # one write: ranks share the log
         return 1
 

@@ -36,7 +36,7 @@ from distrib.datasets import DIGITS_CLASSES, load_digits
 from distrib.errors import BackendUnavailableError, CheckpointError, WorkerFailedError
 from distrib.install_hint import pip_install
 from distrib.interrupts import deferred_interrupts
-from distrib.mpi_env import mpi_environment
+from distrib.mpi_env import mpi_environment, reports_for_the_job
 from distrib.optimizers import SGD, Adam
 from distrib.strategy import Strategy
 from distrib.variables import Variable
@@ -245,10 +245,24 @@ def binary_size(size: int) -> str:
 # -- the command line ------------------------------------------------------------------------------------
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line, `prog: error: message`, exit status 2 (the usage is under --help)."""
+    """argparse whose errors are one line, `prog: error: message`, exit status 2 (the usage is under --help).
+
+    While `alike_on_every_rank` (the flags themselves are refused, which every rank of an MPI job refuses alike),
+    rank 0 alone prints the line under mpirun; a refusal that may be this rank's own (its host's files or devices)
+    is printed by every rank that makes it."""
+
+    alike_on_every_rank = True
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}\n" if reports_for_the_job() or not self.alike_on_every_rank
+                  else None)
+
+
+def run_directory(text: str) -> Path:
+    """--out as a Path; an empty one is refused rather than read as the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path names no directory (pass . for the current one)")
+    return Path(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="dtype of the forward and backward passes (default float32); weights stay float32")
     parser.add_argument("--hidden", type=int, default=128, help="hidden units (default 128)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffling (default 0)")
-    parser.add_argument("--out", type=Path, default=Path("runs/digits"),
+    parser.add_argument("--out", type=run_directory, default=Path("runs/digits"),
                         help="run directory: ckpt, history.json, loss.png (default runs/digits)")
     parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     parser.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
@@ -302,6 +316,10 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed must be at least 0. Received: {args.seed}.")
     if args.resume and args.overwrite:
         raise ValueError("--resume continues the run in --out and --overwrite replaces it: pass one of them.")
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """ValueError naming --out, for a run directory that --resume or a new run cannot use (this host's files)."""
     for name, role in RUN_FILES.items():  # what --resume reads and --overwrite removes must be files
         if (args.out / name).is_dir():
             raise ValueError(f"--out must not hold a folder named {name}, the name of a run's {role}: move or "
@@ -467,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         check_flags(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    parser.alike_on_every_rank = False  # from here on, what is refused may be this rank's own: its host's files
+    try:
+        check_out(args)
         apply_defaults(args)
         strategy = make_strategy(args)
         if args.resume:

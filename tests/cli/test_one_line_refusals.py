@@ -33,6 +33,8 @@ def on_the_emulator(monkeypatch):
     (["timeline", "merge", "t.json"], "distrib timeline merge: error: the following arguments are required: "
                                       "-o/--output"),
     (["info", "--bogus"], "distrib: error: unrecognized arguments: --bogus"),
+    (["train", "--out", ""], "distrib train: error: argument --out: an empty path names no directory (pass . for the "
+                             "current one)"),
     (["bogus"], "distrib: error: argument COMMAND: invalid choice: 'bogus' (choose from "),
 ])
 def test_an_argument_argparse_refuses_is_one_line_without_the_usage(argv, message, capsys):
@@ -85,3 +87,16 @@ def test_distrib_bench_refuses_mpi_announcements_it_cannot_use_in_one_line():
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     said = [line for line in done.stderr.splitlines() if line.startswith("distrib bench")]  # by rank 0 alone
     assert said == ["distrib bench: error: " + REFUSED.format("foo").removeprefix("ValueError: ")]
+
+
+@needs_mpirun
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "distrib train: error: --epochs must be at least 1. Received: 0."),
+    (["--bogus"], "distrib train: error: unrecognized arguments: --bogus"),
+])
+def test_distrib_train_under_mpirun_says_a_bad_flag_once_not_once_per_rank(tmp_path, flags, message):
+    done = subprocess.run([MPIRUN, "-np", "2", sys.executable, "-m", "distrib", "train", "--out", str(tmp_path / "run"),
+                           *flags], capture_output=True, text=True, timeout=120,
+                          env=mpirun_env(DISTRIB_CPU_REPLICAS="1"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("distrib train")] == [message]

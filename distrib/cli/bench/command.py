@@ -25,7 +25,7 @@ from distrib.cli.bench.sweep import TYPES, SweepError, combinations
 from distrib.cli.bench.table import COLLECTIVES, Cell, bandwidths, concluded, footer, header, parse_size, row, sizes
 from distrib.file_paths import file_in_the_way
 from distrib.install_hint import pip_install
-from distrib.mpi_env import mpi_environment
+from distrib.mpi_env import mpi_environment, reports_for_the_job
 
 BATCH_DEFAULTS = ("4K", "1M")  # -b and -e for batch_reduce: 4 to 1,024 arrays of 1 KiB
 
@@ -76,22 +76,16 @@ def size_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _reports() -> bool:
-    """Whether this process reports errors: alone, or rank 0 of an MPI job (whose ranks all refuse the same)."""
-    launched = mpi_environment()
-    return launched is None or launched[1] == 0
-
-
 def _usage_error(parser: argparse.ArgumentParser, message: str) -> None:
     """One line, as every refusal of the command (the usage is under --help); under mpirun, from rank 0 alone."""
-    if _reports():
+    if reports_for_the_job():
         sys.stderr.write(f"{parser.prog}: error: {message}\n")
     raise SystemExit(2)
 
 
 def _fail(message: str, every_rank: bool = False) -> SystemExit:
     """A user error: one line on stderr, from rank 0 only unless what failed is this rank's own; exit status 2."""
-    if every_rank or _reports():
+    if every_rank or reports_for_the_job():
         sys.stderr.write(f"distrib bench: error: {message}\n")  # one write: under mpirun every rank's goes to one log
     return SystemExit(2)
 
