@@ -30,8 +30,9 @@ def resolve_destinations(destinations: Any, devices: tuple[str, ...]) -> tuple[s
             return (name,)
         if name == "CPU:0":  # the host CPU, when it is not one of the replicas' devices
             return (HOST,)
+        host = "or 'host'" if "CPU:0" in devices else "'CPU:0' or 'host'"  # CPU:0 is the host CPU or a replica
         raise ValueError(f"Unknown destination {destinations!r}: expected one of the strategy's devices "
-                         f"{devices}, 'CPU:0' or 'host' for the host CPU.")
+                         f"{devices}, {host} for the host CPU.")
     if isinstance(destinations, DistributedVariable):
         return destinations.devices
     if isinstance(destinations, Variable):  # a plain variable (the default strategy's): its device

@@ -154,3 +154,24 @@ def test_reduce_to_takes_an_array_as_destinations_its_device(strategy):
     assert [float(x) for x in local(strategy, reduced)] == [4.0]
     with pytest.raises(ValueError, match="A non-distributed value cannot be reduced with SUM on 4 replicas"):
         strategy.extended.reduce_to("SUM", np.float32(1), destinations=np.zeros(3))
+
+
+@pytest.mark.parametrize("devices, named", [
+    (["CPU:0", "CPU:1"], "('CPU:0', 'CPU:1'), or 'host' for the host CPU."),  # CPU:0 named once
+    (["CPU:1", "CPU:2"], "('CPU:1', 'CPU:2'), 'CPU:0' or 'host' for the host CPU."),
+])
+def test_an_unknown_destination_names_each_device_it_could_be_once(devices, named):
+    strategy = distrib.MirroredStrategy(devices)
+    value = per_replica(strategy, lambda i: np.float32(i))
+    with pytest.raises(ValueError) as error:
+        strategy.extended.reduce_to("SUM", value, "CPU:5")
+    assert str(error.value) == f"Unknown destination 'CPU:5': expected one of the strategy's devices {named}"
+
+
+def test_batch_reduce_to_names_a_distributed_value_given_instead_of_a_pair_in_one_line():
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    value = per_replica(strategy, lambda i: np.float32(i))
+    with pytest.raises(TypeError) as error:
+        strategy.extended.batch_reduce_to("SUM", [value])
+    assert str(error.value) == "value_destination_pairs[0] must be a (value, destinations) pair. Received: a " \
+                               "PerReplica."
