@@ -98,14 +98,18 @@ class DistributedVariable(SparseWrites, _ValueSequence, _ArrayOperators, Distrib
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
         """Sets the value, following the variable's synchronization and aggregation; returns the variable (a
-        MirroredVariable's write in a replica context with an aggregation: the value it left, as TensorFlow's)."""
-        return self._write("assign", value)
+        MirroredVariable's write in a replica context with an aggregation: the value it left, as TensorFlow's), or
+        None with `read_value=False`, as TensorFlow's eager writes."""
+        result = self._write("assign", value)
+        return result if read_value else None
 
     def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign_add", delta)
+        result = self._write("assign_add", delta)
+        return result if read_value else None
 
     def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        return self._write("assign_sub", delta)
+        result = self._write("assign_sub", delta)
+        return result if read_value else None
 
     def _update_all(self, method: str, value: Any):
         """Applies `component.method(select_replica(i, value))` to every component (cross-replica)."""

@@ -378,24 +378,27 @@ class Variable(SparseWrites, _ValueSequence, _ArrayOperators, metaclass=_Variabl
         return array
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Sets the value (of the variable's shape, or a scalar, which fills it); returns the variable.
+        """Sets the value (of the variable's shape, or a scalar, which fills it); returns the variable (None with
+        `read_value=False`, as TensorFlow's eager writes).
 
         Every write is atomic: replicas (threads) writing one variable at once each see the other's update, as
         with TensorFlow's resource variables (with or without `use_locking`)."""
         operand = self._operand(value, "assign")
         with self._lock:
             self._backend.xp.copyto(self._writable(), operand, casting="same_kind")
-        return self
+        return self if read_value else None
 
     def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Adds `delta` (of the variable's shape, or a scalar) in place, atomically; returns the variable."""
+        """Adds `delta` (of the variable's shape, or a scalar) in place, atomically; returns the variable (None
+        with `read_value=False`)."""
         self._update(self._backend.xp.add, self._operand(delta, "assign_add"))
-        return self
+        return self if read_value else None
 
     def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Subtracts `delta` (of the variable's shape, or a scalar) in place, atomically; returns the variable."""
+        """Subtracts `delta` (of the variable's shape, or a scalar) in place, atomically; returns the variable
+        (None with `read_value=False`)."""
         self._update(self._backend.xp.subtract, self._operand(delta, "assign_sub"))
-        return self
+        return self if read_value else None
 
     def _update(self, ufunc: Any, operand: Any) -> None:
         """buffer = ufunc(buffer, operand), under the lock (see `_writable`)."""

@@ -1094,3 +1094,25 @@ def test_sync_on_read_scatter_raises_not_implemented(strategy, method):
         getattr(v, method)(delta)
     with pytest.raises(NotImplementedError, match="SyncOnReadVariable"):
         strategy.run(lambda: getattr(v, method)(delta))
+
+
+def test_a_write_with_read_value_false_returns_none_in_every_context_as_tensorflow_eager():
+    # TensorFlow's eager writes return None with read_value=False; distrib returned the variable (or the value)
+    plain = distrib.Variable(np.float32(1.0))
+    assert plain.assign(2.0, read_value=False) is None and plain.assign_add(1.0, read_value=False) is None
+    assert plain.assign_sub(1.0, read_value=False) is None and float(plain.numpy()) == 2.0
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        mirrored = distrib.Variable(np.float32(0.0), aggregation="MEAN")
+        local_only = distrib.Variable(np.float32(0.0))  # aggregation NONE: a replica writes its own copy
+        on_read = distrib.Variable(np.float32(0.0), synchronization="ON_READ", aggregation="SUM")
+    assert mirrored.assign(1.0, read_value=False) is None  # cross-replica
+
+    def step():
+        return (mirrored.assign_add(1.0, read_value=False), local_only.assign_add(1.0, read_value=False),
+                on_read.assign_add(1.0, read_value=False))
+
+    assert strategy.run(step) == (None, None, None)
+    assert float(mirrored.numpy()) == 2.0 and float(on_read.numpy()) == 2.0
+    assert [float(v) for v in strategy.experimental_local_results(local_only)] == [1.0, 1.0]
+    assert mirrored.assign(5.0) is mirrored  # read_value=True keeps what it returned

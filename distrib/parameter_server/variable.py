@@ -158,16 +158,19 @@ class ParameterServerVariable(RowUpdates, _ArrayOperators):
     # -- writing ----------------------------------------------------------------------------------------
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Sets the value; returns the variable."""
-        return self._wait(self._start_write("assign", value))
+        """Sets the value; returns the variable (None with `read_value=False`, as TensorFlow's eager writes)."""
+        written = self._wait(self._start_write("assign", value))
+        return written if read_value else None
 
     def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Adds `delta`; returns the variable."""
-        return self._wait(self._start_write("assign_add", delta))
+        """Adds `delta`; returns the variable (None with `read_value=False`, as TensorFlow's eager writes)."""
+        written = self._wait(self._start_write("assign_add", delta))
+        return written if read_value else None
 
     def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        """Subtracts `delta`; returns the variable."""
-        return self._wait(self._start_write("assign_sub", delta))
+        """Subtracts `delta`; returns the variable (None with `read_value=False`, as TensorFlow's eager writes)."""
+        written = self._wait(self._start_write("assign_sub", delta))
+        return written if read_value else None
 
     def _scatter(self, method: str, indices: Any, updates: Any) -> "ParameterServerVariable":
         return self._wait(self._start_scatter(method, indices, updates))

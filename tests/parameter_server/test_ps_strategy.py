@@ -71,6 +71,8 @@ def test_a_variable_with_one_partition_is_a_plain_variable(strategy):
     assert isinstance(v, distrib.parameter_server.variable.ParameterServerVariable)
     assert not isinstance(beside, distrib.ShardedVariable) and beside.device == v.device
     assert v.assign_add(np.ones(2, np.float32)).numpy().tolist() == [1.0, 1.0]
+    assert v.assign_add(np.ones(2, np.float32), read_value=False) is None  # as TensorFlow's eager writes
+    assert v.assign_sub(np.ones(2, np.float32), read_value=False) is None and v.numpy().tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match=r"^assign_add needs a value of shape \(2,\) \(or a scalar\) for "
                                          r"variable 'tiny'"):
         v.assign_add(np.ones(3, np.float32))
