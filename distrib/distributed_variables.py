@@ -346,11 +346,16 @@ class SyncOnReadVariable(DistributedVariable):
         if method == "assign" and (isinstance(value, PerReplica) or holds_leaf(value, PerReplica, (list, tuple))):
             # each copy its replica's value (from a list holding PerReplica values too), whatever the aggregation
             # (SUM too: the copies then add up to their sum)
-            return self._update_all(method, value)
-        if method == "assign" and self._aggregation is VariableAggregation.SUM:
-            share = np.asarray(self._strategy.extended.backend.to_host(value)) / self._strategy.num_replicas_in_sync
-            value = share if is_inexact(self.dtype) else np.trunc(share).astype(self.dtype)  # 7 over 2 -> 3 + 3
-        return self._update_all(method, value)
+            self._update_all(method, value)
+        else:
+            if method == "assign" and self._aggregation is VariableAggregation.SUM:
+                share = np.asarray(self._strategy.extended.backend.to_host(value)) / \
+                    self._strategy.num_replicas_in_sync
+                value = share if is_inexact(self.dtype) else np.trunc(share).astype(self.dtype)  # 7 over 2: 3 + 3
+            self._update_all(method, value)
+        # what the copies now read as, aggregated, as TensorFlow returns it; with NONE, whose copies have no
+        # cross-replica value, the variable (TensorFlow writes, then raises as it reads the result)
+        return self if self._aggregation is VariableAggregation.NONE else self.read_value()
 
 
 def _is_floating(dtype: np.dtype) -> bool:

@@ -1116,3 +1116,19 @@ def test_a_write_with_read_value_false_returns_none_in_every_context_as_tensorfl
     assert float(mirrored.numpy()) == 2.0 and float(on_read.numpy()) == 2.0
     assert [float(v) for v in strategy.experimental_local_results(local_only)] == [1.0, 1.0]
     assert mirrored.assign(5.0) is mirrored  # read_value=True keeps what it returned
+
+
+@pytest.mark.parametrize("aggregation, written", [
+    ("SUM", [("assign", 4.0, 4.0)]),
+    ("MEAN", [("assign", 4.0, 4.0), ("assign_add", 1.0, 5.0), ("assign_sub", 1.0, 4.0)]),
+    ("ONLY_FIRST_REPLICA", [("assign", 4.0, 4.0), ("assign_add", 1.0, 5.0), ("assign_sub", 1.0, 4.0)]),
+])
+def test_a_cross_replica_write_of_a_sync_on_read_variable_returns_what_it_now_reads_as(aggregation, written):
+    # TensorFlow 2.21 returns the variable's aggregated read (a tensor) here; distrib returned the variable
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        v = distrib.Variable(np.float32(1.0), synchronization="ON_READ", aggregation=aggregation)
+    results = [getattr(v, method)(value) for method, value, _ in written]
+    assert all(isinstance(result, np.ndarray) for result in results), results
+    assert [float(result) for result in results] == [expected for _, _, expected in written]  # later writes left
+    # each earlier result as it was
