@@ -149,7 +149,7 @@ class Checkpoint:
         for key, variable, array in matched:
             _check_compatible(key, array, variable)
         for key, variable, array in matched:
-            variable.assign(array.astype(variable.dtype, copy=False))
+            variable.assign(array.astype(variable.dtype, copy=False), read_value=False)  # no read back
         for owner_key, owner in owners.items():
             pending = {saved[key]["name"]: (key, arrays[key].copy())
                        for key in deferred if saved[key]["owner"] == owner_key}
@@ -238,7 +238,7 @@ def restore_deferred(owner: Any) -> list[str]:
     for name in ready:
         _check_compatible(pending[name][0], pending[name][1], variables[name])
     for name in ready:
-        variables[name].assign(pending.pop(name)[1].astype(variables[name].dtype, copy=False))
+        variables[name].assign(pending.pop(name)[1].astype(variables[name].dtype, copy=False), read_value=False)
     if not pending:
         del _DEFERRED[owner]
     return ready

@@ -93,22 +93,24 @@ class DistributedVariable(SparseWrites, _ValueSequence, _ArrayOperators, Distrib
         ctx = context.get_replica_context()
         return ctx is not None and ctx.strategy is self._strategy and getattr(_update_replica, "id", None) is None
 
-    def _write(self, method: str, value: Any):
+    def _write(self, method: str, value: Any, read_value: bool = True):
+        """The write `method` of `value`, following the variable's synchronization; returns what `method` returns
+        (`read_value=False`: whatever is cheapest, which the caller drops)."""
         raise NotImplementedError
 
     def assign(self, value: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
         """Sets the value, following the variable's synchronization and aggregation; returns the variable (a
         MirroredVariable's write in a replica context with an aggregation: the value it left, as TensorFlow's), or
         None with `read_value=False`, as TensorFlow's eager writes."""
-        result = self._write("assign", value)
+        result = self._write("assign", value, read_value)
         return result if read_value else None
 
     def assign_add(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        result = self._write("assign_add", delta)
+        result = self._write("assign_add", delta, read_value)
         return result if read_value else None
 
     def assign_sub(self, delta: Any, use_locking: bool = False, name: str | None = None, read_value: bool = True):
-        result = self._write("assign_sub", delta)
+        result = self._write("assign_sub", delta, read_value)
         return result if read_value else None
 
     def _update_all(self, method: str, value: Any):
@@ -133,7 +135,7 @@ class MirroredVariable(DistributedVariable):
     def synchronization(self) -> VariableSynchronization:
         return VariableSynchronization.ON_WRITE
 
-    def _write(self, method: str, value: Any):
+    def _write(self, method: str, value: Any, read_value: bool = True):
         if isinstance(value, DistributedVariable):
             value = value.read_value()
         local = self._local()
@@ -335,7 +337,7 @@ class SyncOnReadVariable(DistributedVariable):
                                   f"copies are aggregated when read. Received: synchronization ON_READ; use "
                                   f"assign_add with a dense value, or an ON_WRITE variable.")
 
-    def _write(self, method: str, value: Any):
+    def _write(self, method: str, value: Any, read_value: bool = True):
         local = self._local()
         if local is not None:  # replica context or extended.update: the local copy only
             getattr(local, method)(value)
@@ -355,7 +357,8 @@ class SyncOnReadVariable(DistributedVariable):
             self._update_all(method, value)
         # what the copies now read as, aggregated, as TensorFlow returns it; with NONE, whose copies have no
         # cross-replica value, the variable (TensorFlow writes, then raises as it reads the result)
-        return self if self._aggregation is VariableAggregation.NONE else self.read_value()
+        # (not read with `read_value=False`: across processes a read is a collective, and a restore needs none)
+        return self if self._aggregation is VariableAggregation.NONE or not read_value else self.read_value()
 
 
 def _is_floating(dtype: np.dtype) -> bool:

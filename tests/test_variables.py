@@ -1132,3 +1132,21 @@ def test_a_cross_replica_write_of_a_sync_on_read_variable_returns_what_it_now_re
     assert all(isinstance(result, np.ndarray) for result in results), results
     assert [float(result) for result in results] == [expected for _, _, expected in written]  # later writes left
     # each earlier result as it was
+
+
+def test_a_write_with_read_value_false_and_a_restore_never_read_a_sync_on_read_variable(tmp_path, monkeypatch):
+    # across processes a SyncOnRead read is a collective: a restore, or a write that returns nothing, needs none
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    with strategy.scope():
+        v = distrib.Variable(np.float32(3.0), synchronization="ON_READ", aggregation="MEAN")
+    checkpoint = distrib.Checkpoint(v=v)
+    checkpoint.save(tmp_path / "ckpt")
+
+    def no_read(self):
+        raise AssertionError("read")
+
+    monkeypatch.setattr(distrib.distributed_variables.SyncOnReadVariable, "read_value", no_read)
+    assert v.assign(1.0, read_value=False) is None
+    checkpoint.restore(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert float(v.numpy()) == 3.0
