@@ -144,6 +144,14 @@ class Mirrored(DistributedValues):
 
         return np.asarray(self._get(), dtype=dtype)
 
+    # the components are equal, so one of them is the value: `float(reduce_to(..., "/cpu:0"))` works as it does on
+    # the tensor TensorFlow returns there
+    def __float__(self) -> float:
+        return float(self._get())
+
+    def __int__(self) -> int:
+        return int(self._get())
+
 
 _PLAIN_DISTRIBUTED = (PerReplica, Mirrored)  # never variables: select_replica takes their components
 

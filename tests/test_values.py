@@ -199,3 +199,15 @@ def test_run_results_follow_the_regroup_rules(strategy):
     assert out["shared"] is shared
     assert out["constant"] == 7
     assert out["nothing"] is None
+
+
+def test_a_mirrored_value_converts_to_a_python_number_as_the_tensor_tensorflow_returns_does():
+    # reduce_to onto one device returns a Mirrored of one component where TensorFlow returns the tensor itself:
+    # float() of it raised TypeError
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group + 1))
+    total = strategy.extended.reduce_to("SUM", value, "/cpu:0")
+    assert float(total) == 3.0 and int(total) == 3
+    everywhere = strategy.extended.reduce_to("MEAN", value, value)  # a Mirrored of two equal components
+    assert float(everywhere) == 1.5
