@@ -11,7 +11,6 @@ import numpy as np
 
 from distrib.backends.base import Backend
 from distrib.input.contexts import InputWorkers
-from distrib.input.prefetch import reading_ahead
 from distrib.options import InputOptions
 from distrib.values import PerReplica, flatten, format_path, unflatten
 
@@ -69,18 +68,18 @@ _OWN_REFERENCES = 4
 _OWN_CONTAINER_REFERENCES = 3
 
 
-def captured(element: Any, arrays: list, spec: Any, backend: Backend, held: bool = False) -> list:
-    """`arrays` (the leaves of `element`), copied where they are read ahead on the emulator and someone else may
-    still write them: by a prefetch thread, or `held` past the next read of the same source by the caller.
+def captured(element: Any, arrays: list, spec: Any, backend: Backend) -> list:
+    """`arrays` (the leaves of `element`), copied on the emulator where someone else may still write them.
 
-    On emulated devices a replica's batch is a view of the element's own array. Read ahead, the iterator is
-    already producing the next elements while the consumer uses this one: a loader that refills one buffer
-    would overwrite rows not used yet (TensorFlow copies every element into a tensor). An array that owns its
+    On emulated devices a replica's batch is a view of the element's own array, and the consumer may keep it
+    past the next read: a loader that refills one buffer would overwrite the rows of every batch kept (or, read
+    ahead by the prefetch thread, of batches not used yet), where TensorFlow copies every element into a tensor.
+    So an element is copied, read inline or ahead alike, unless nothing else can write it: an array that owns its
     memory and that only the element references, in an element that only the caller references (a fresh
-    gather, np.stack..., yielded in a fresh dict), cannot change, and is kept as is. Elements nested deeper than
-    one container are copied whole: their inner containers could be the loader's.
+    gather, np.stack..., yielded in a fresh dict), is kept as is. Elements nested deeper than one container are
+    copied whole: their inner containers could be the loader's.
     """
-    if backend.xp is not np or not (held or reading_ahead()):  # GPUs copy each batch to the device as produced
+    if backend.xp is not np:  # GPUs copy each batch to the device as produced
         return arrays
     if type(element) is np.ndarray:
         own = _OWN_REFERENCES + 1

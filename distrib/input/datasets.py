@@ -345,8 +345,7 @@ class DistributedDatasetsFromFunction(_DatasetBase):
                     per_replica.append(None)
                     continue
                 arrays, element_spec = batch_leaves(element, workers.backend, "per-replica batch")
-                # a shared pipeline's element is held while the next replica's is read from it
-                arrays = captured(element, arrays, element_spec, workers.backend, held=shared and r < local - 1)
+                arrays = captured(element, arrays, element_spec, workers.backend)
                 batch_rows(arrays, element_spec, "per-replica batch")
                 if spec is not None and element_spec != spec:
                     raise ValueError(f"Every replica's batch must have the same structure. Received: "

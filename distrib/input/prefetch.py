@@ -13,12 +13,6 @@ from typing import Any, Callable
 from distrib import context
 
 END = object()
-_thread_state = threading.local()  # `ahead`: set on prefetch threads, which produce steps before they are asked for
-
-
-def reading_ahead() -> bool:
-    """Whether the caller is a prefetch thread, producing a step before the consumer has asked for it."""
-    return getattr(_thread_state, "ahead", False)
 
 
 class _Signal:
@@ -87,7 +81,6 @@ class Prefetcher:
 
     @staticmethod
     def _fill(produce, depth, half, items, filled, drained, state, stack) -> None:
-        _thread_state.ahead = True
         context.set_stack(stack)
         while not state["stopped"]:
             if len(items) >= depth:

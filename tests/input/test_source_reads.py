@@ -67,6 +67,22 @@ def test_a_loader_that_refills_a_buffer_it_keeps_in_any_container_gives_every_ro
     np.testing.assert_array_equal(np.concatenate(seen), ROWS)
 
 
+@pytest.mark.parametrize("options", [None, InputOptions(experimental_per_replica_buffer_size=0)])
+@pytest.mark.parametrize("container", ["bare", "dict"])
+def test_batches_kept_past_the_next_step_of_a_loader_that_refills_one_buffer_keep_their_rows(strategy, container,
+                                                                                              options):
+    # before: read inline (no prefetch thread: the first steps, or buffer size 0), each replica's batch was a view
+    # of the loader's buffer, so every kept batch read as the last one, where TensorFlow copies into tensors; and
+    # whether it did depended on how long the steps took
+    kept = list(strategy.experimental_distribute_dataset(OneBufferLoader(container), options))
+    np.testing.assert_array_equal(np.concatenate([rows_of(strategy, LEAF[container](step)) for step in kept]), ROWS)
+    per_worker = list(strategy.distribute_datasets_from_function(lambda ctx: OneBufferLoader(container, rows=2),
+                                                                 options))
+    firsts = [[part[0, 0] for part in strategy.experimental_local_results(LEAF[container](step))]
+              for step in per_worker[:2]]
+    assert firsts == [[0, 4, 8], [12, 16, 20]]
+
+
 def test_a_fresh_array_in_a_fresh_dict_read_ahead_is_not_copied(strategy):
     # the copy is only for what someone else may write: a gather yielded in a new dict is the batch itself
     yielded = []
