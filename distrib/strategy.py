@@ -150,7 +150,7 @@ class Strategy:
         leaves, spec = flatten(value)
         components = [local_components(leaf) for leaf in leaves]
         counts = {len(c) for c in components if c is not None}
-        if not counts and spec.is_leaf():
+        if not counts and (spec.is_leaf() or value is None):  # None too, as TensorFlow's nest takes it for a leaf
             return (value,)
         if not counts:
             return (value,) * len(self._extended.worker_devices)
@@ -280,6 +280,12 @@ class _Scope:
         self._entered = threading.local()  # each thread's stack of entries of this object
 
     def __enter__(self) -> Strategy:
+        top = context.current()
+        if top.strategy is self._strategy and top.replica_context is not None and not context.is_default(top.strategy):
+            # TensorFlow's scope requires the cross-replica context too: a replica function runs in the strategy
+            raise ContextError(f"strategy.scope() cannot be entered inside a replica function of the same strategy "
+                               f"(a replica context): the function runs in {self._strategy!r} already. Create "
+                               f"variables before strategy.run, or from the cross-replica context of a merge_call.")
         entry = self._strategy._enter_scope()
         entry.__enter__()
         self._entered.__dict__.setdefault("stack", []).append(entry)

@@ -176,3 +176,24 @@ def test_one_cross_replica_check_names_the_api_and_the_hint():
     other = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
     with other.scope(), pytest.raises(RuntimeError, match="^Mixing different distrib strategies is not allowed: my_api"):
         require_cross_replica("my_api", strategy)
+
+
+def test_the_strategy_scope_entered_inside_its_own_replica_function_is_refused_as_tensorflow_refuses_it():
+    # it was accepted silently and did nothing; TensorFlow raises RuntimeError (a cross-replica method)
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+
+    def step():
+        with strategy.scope():
+            return 1
+
+    with pytest.raises(distrib.errors.ContextError, match=r"^strategy.scope\(\) cannot be entered inside a replica function"):
+        strategy.run(step)
+    assert issubclass(distrib.errors.ContextError, RuntimeError)
+
+    def merged():  # the cross-replica context of a merge_call may enter it
+        def merge(s):
+            with s.scope():
+                return distrib.get_strategy() is s
+        return distrib.get_replica_context().merge_call(merge)
+
+    assert strategy.run(merged) is True

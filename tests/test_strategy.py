@@ -348,3 +348,10 @@ def test_the_same_scope_object_may_be_entered_again(strategy):
     assert not distrib.has_strategy()
     with scope:
         assert distrib.get_strategy() is strategy
+
+
+def test_local_results_of_none_is_one_none_as_of_any_plain_value():
+    # (None, None) on 2 replicas, where TensorFlow gives (None,) as it gives (3,) for 3
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    assert strategy.experimental_local_results(None) == (None,)
+    assert strategy.experimental_local_results(3) == (3,)
