@@ -29,11 +29,18 @@ from distrib.values import format_path, unflatten
 class Optional:
     """A value that may be absent, returned by `DistributedIterator.get_next_as_optional`."""
 
-    def __init__(self, value: Any = None, has_value: bool = False):
-        self._value, self._has_value = value, has_value
+    def __init__(self, value: Any = None, has_value: bool = False, element_spec: Callable[[], Any] | None = None):
+        self._value, self._has_value, self._element_spec = value, has_value, element_spec
 
     def has_value(self) -> bool:
         return self._has_value
+
+    @property
+    def element_spec(self) -> Any:
+        """The iterator's `element_spec`, the value's structure, known with or without a value (TensorFlow's)."""
+        if self._element_spec is None:
+            raise ValueError("This Optional was not made by an iterator: it has no element_spec.")
+        return self._element_spec()
 
     def get_value(self) -> Any:
         if not self._has_value:
@@ -75,9 +82,9 @@ class DistributedIterator:
     def get_next_as_optional(self) -> Optional:
         """The next step's values wrapped in an Optional that is empty once the data runs out."""
         try:
-            return Optional(self._prefetcher.get(), True)
+            return Optional(self._prefetcher.get(), True, self._element_spec)
         except StopIteration:
-            return Optional()
+            return Optional(element_spec=self._element_spec)
 
     @property
     def element_spec(self) -> Any:

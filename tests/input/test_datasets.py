@@ -283,6 +283,8 @@ def test_get_next_as_optional_is_empty_at_the_end(strategy):
     assert sizes(last) == [1, 1, 1, 0]
     with pytest.raises(ValueError, match="The optional has no value"):
         optionals[2].get_value()
+    # the iterator's element_spec, with a value or without, as TensorFlow's Optional has (it had none)
+    assert all(o.element_spec == iterator.element_spec for o in optionals)
 
 
 def test_element_spec_is_the_structure_with_an_unknown_batch_dimension(strategy):
