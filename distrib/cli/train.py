@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import importlib.util
 import math
+import os
 import shlex
 import signal
 import sys
@@ -378,8 +379,9 @@ def resume_problem(exc: CheckpointError) -> str:
         "distrib train keeps only the last checkpoint: start over with --overwrite instead of --resume.")
 
 
-def prepare_out(args: argparse.Namespace) -> None:
-    """Creates --out and checks it is writable; refuses to replace a run in it without --resume or --overwrite."""
+def prepare_out(args: argparse.Namespace, chief: bool = True) -> None:
+    """Creates --out and checks it is writable; refuses to replace a run in it without --resume or --overwrite;
+    the `chief` (the one process, or rank 0) holds it for the run, refusing it while another run holds it."""
     out = args.out
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out must be a directory. Received: {str(out)!r}, which is a file.")
@@ -397,12 +399,47 @@ def prepare_out(args: argparse.Namespace) -> None:
     except OSError as exc:
         raise ValueError(f"--out must be a directory distrib train can create and write to. Received: "
                          f"{str(out)!r} ({exc.strerror or exc}).") from None
+    if chief:
+        hold_run_directory(out)
     if args.overwrite:
         for name in present:
             try:
                 (out / name).unlink(missing_ok=True)  # another process of the job may have removed it first
             except OSError as exc:
                 raise ValueError(f"--overwrite could not remove {out / name} ({exc.strerror or exc}).") from None
+
+
+_HELD: list[int] = []  # descriptors of the run directories this process holds, until its run ends
+
+
+def hold_run_directory(out: Path) -> None:
+    """Locks `out` (flock on the directory itself: no file added to the run) until `release_run_directories`, so
+    that two runs into one --out, whose checkpoints and histories would interleave, cannot both start.
+
+    Raises:
+      ValueError: another process holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not on POSIX: no lock, as before
+        return
+    descriptor = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise ValueError(f"--out is in use by another distrib train run: wait for it to end, or pass another --out. "
+                         f"Received: {str(out)!r}.") from None
+    except OSError:  # a file system without locks: run unlocked
+        os.close(descriptor)
+        return
+    _HELD.append(descriptor)
+
+
+def release_run_directories() -> None:
+    """Lets go of the run directories this process holds (its run ended)."""
+    while _HELD:
+        os.close(_HELD.pop())
 
 
 def load_history(path: Path, epochs: int, warn: bool = True) -> History:
@@ -494,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         strategy = make_strategy(args)
         if args.resume:
             check_resume(args)
-        prepare_out(args)
+        prepare_out(args, strategy.extended.should_checkpoint)
     except (ValueError, BackendUnavailableError) as exc:
         parser.error(resume_problem(exc) if isinstance(exc, CheckpointError) else str(exc))
     chief = strategy.extended.should_checkpoint  # under mpirun, rank 0 alone reports
@@ -547,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         strategy.close()
+        release_run_directories()
     if chief:
         speed = f"{result.seconds:.1f} s, {result.samples_per_second:,.0f} samples/s" if result.samples_per_second \
             else "the checkpoint had run them all, so nothing was trained (raise --epochs to train more)"

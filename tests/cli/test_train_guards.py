@@ -237,3 +237,25 @@ def test_weights_near_the_float32_limit_stop_the_run_in_one_line_without_warning
     assert status == 1
     assert "distrib train: the training loss became nan at step 2 (epoch 2), so training stopped" in \
         capsys.readouterr().err
+
+
+def test_a_second_run_into_an_out_another_run_holds_is_refused_in_one_line(tmp_path, capsys):
+    # two runs into one --out both trained, their checkpoints and histories interleaving
+    import fcntl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    other = os.open(out, os.O_RDONLY)  # what the other run's process holds
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            train_main(["--epochs", "1", "--out", str(out)])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            f"distrib train: error: --out is in use by another distrib train run: wait for it to end, or pass another "
+            f"--out. Received: {str(out)!r}.")
+        assert list(out.iterdir()) == []
+    finally:
+        os.close(other)
+    assert train_main(["--epochs", "1", "--out", str(out)]) == 0  # free again: it runs, and lets go at its end
+    assert train_main(["--epochs", "2", "--out", str(out), "--resume"]) == 0
