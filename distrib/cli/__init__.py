@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Dispatches `distrib train ...`, `distrib bench ...` and `distrib info`; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    for name in ("stdout", "stderr"):  # started with that descriptor closed (`>&-`): its output goes nowhere, as a
+        if getattr(sys, name) is None:  # C program's writes to a closed descriptor do, instead of an AttributeError
+            setattr(sys, name, open(os.devnull, "w"))
+            setattr(sys, f"__{name}__", getattr(sys, name))
     if sys.stdout is sys.__stdout__:  # the command's own output, not a caller's capture
         from distrib.cli.closed_output import finish_when_output_closes
 

@@ -534,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
         prepare_out(args, strategy.extended.should_checkpoint)
     except (ValueError, BackendUnavailableError) as exc:
         parser.error(resume_problem(exc) if isinstance(exc, CheckpointError) else str(exc))
+    except KeyboardInterrupt:  # Ctrl-C while the devices are found (CuPy's import takes a while): one line
+        sys.stderr.write("\ndistrib train: interrupted before training started; nothing was trained.\n")
+        return 130
     chief = strategy.extended.should_checkpoint  # under mpirun, rank 0 alone reports
     if chief:
         print(f"{strategy!r}: {strategy.num_replicas_in_sync} replicas, global batch {args.global_batch_size}, "
