@@ -100,3 +100,44 @@ def test_distrib_train_under_mpirun_says_a_bad_flag_once_not_once_per_rank(tmp_p
                           env=mpirun_env(DISTRIB_CPU_REPLICAS="1"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert [line for line in done.stderr.splitlines() if line.startswith("distrib train")] == [message]
+
+
+@pytest.mark.parametrize("argv", [["info"], ["bench", "all_reduce", *QUICK]])
+def test_a_command_started_with_its_output_closed_runs_without_a_traceback(argv):
+    # `distrib info >&-` ended in AttributeError: 'NoneType' object has no attribute 'isatty'
+    import os
+
+    done = subprocess.run([sys.executable, "-m", "distrib", *argv], capture_output=False, stderr=subprocess.PIPE,
+                          text=True, timeout=120, env={**os.environ, "DISTRIB_BACKEND": "cpu"},
+                          preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_ctrl_c_while_distrib_train_finds_its_devices_is_one_line(tmp_path, monkeypatch, capsys):
+    # a Ctrl-C before the first epoch (CuPy's import) printed a 30-line traceback
+    from distrib.cli import train
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "make_strategy", interrupted)
+    assert train.main(["--out", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == "distrib train: interrupted before training started; " \
+                                                       "nothing was trained."
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--json", ""], "--json needs a file name. Received: ''."),
+    (["--plot", " "], "--plot needs a file name. Received: ' '."),
+    (["--json", "same.png", "--plot", "same.png"], "--json and --plot must name different files: the plot would "
+                                                   "replace the results. Received: 'same.png' for both."),
+])
+def test_bench_refuses_an_empty_output_name_or_one_file_for_both_outputs(flags, message, capsys, tmp_path,
+                                                                         monkeypatch):
+    # an empty name wrote nothing silently; one file for both kept the plot and lost the results it reported
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "all_reduce", *QUICK, *flags])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"distrib bench: error: {message}"
+    assert list(tmp_path.iterdir()) == []

@@ -126,6 +126,12 @@ def _check_batch(args: argparse.Namespace, passes: list) -> None:
 def _output_problem(args: argparse.Namespace) -> str | None:
     """Why --json or --plot cannot be written (None if they can): checked before the measurements, which can take
     minutes, rather than after them."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None and not path.strip():  # else silently nothing written
+            return f"{flag} needs a file name. Received: {path!r}."
+    if args.json and args.plot and pathlib.Path(args.json).absolute() == pathlib.Path(args.plot).absolute():
+        return f"--json and --plot must name different files: the plot would replace the results. Received: " \
+               f"{args.json!r} for both."
     if args.plot:
         if importlib.util.find_spec("matplotlib") is None:
             return f"--plot needs matplotlib: {pip_install('bench')}."
