@@ -345,16 +345,13 @@ class SyncOnReadVariable(DistributedVariable):
         if method != "assign" and self._aggregation is VariableAggregation.SUM:
             raise ValueError(f"SyncOnReadVariable {self._name!r} with aggregation SUM does not support {method} in "
                              f"a cross-replica context: the change would be counted once per replica.")
-        if method == "assign" and (isinstance(value, PerReplica) or holds_leaf(value, PerReplica, (list, tuple))):
-            # each copy its replica's value (from a list holding PerReplica values too), whatever the aggregation
-            # (SUM too: the copies then add up to their sum)
-            self._update_all(method, value)
-        else:
-            if method == "assign" and self._aggregation is VariableAggregation.SUM:
-                share = np.asarray(self._strategy.extended.backend.to_host(value)) / \
-                    self._strategy.num_replicas_in_sync
-                value = share if is_inexact(self.dtype) else np.trunc(share).astype(self.dtype)  # 7 over 2: 3 + 3
-            self._update_all(method, value)
+        # a PerReplica (or a list holding some) gives each copy its replica's value, whatever the aggregation (SUM
+        # too: the copies then add up to their sum); one value assigned to a SUM variable is shared out
+        per_replica = isinstance(value, PerReplica) or holds_leaf(value, PerReplica, (list, tuple))
+        if method == "assign" and not per_replica and self._aggregation is VariableAggregation.SUM:
+            share = np.asarray(self._strategy.extended.backend.to_host(value)) / self._strategy.num_replicas_in_sync
+            value = share if is_inexact(self.dtype) else np.trunc(share).astype(self.dtype)  # 7 over 2 -> 3 + 3
+        self._update_all(method, value)
         # what the copies now read as, aggregated, as TensorFlow returns it; with NONE, whose copies have no
         # cross-replica value, the variable (TensorFlow writes, then raises as it reads the result)
         # (not read with `read_value=False`: across processes a read is a collective, and a restore needs none)

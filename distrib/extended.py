@@ -167,9 +167,11 @@ class StrategyExtended(abc.ABC):
                 set(map(len, value_destination_pairs)) != {2}:  # checked in bulk: a step batches every gradient
             for k, pair in enumerate(value_destination_pairs):
                 if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                    shown = repr(pair)  # a distributed value's runs over lines: its type says enough
+                    shown = repr(pair)
+                    if "\n" in shown:  # a distributed value's runs over lines: its type says enough
+                        shown = f"a {type(pair).__name__}"
                     raise TypeError(f"value_destination_pairs[{k}] must be a (value, destinations) pair. "
-                                    f"Received: {f'a {type(pair).__name__}' if chr(10) in shown else shown}.")
+                                    f"Received: {shown}.")
         values, destinations = zip(*value_destination_pairs)
         devices = self._devices
         if set(map(type, destinations)) == PER_REPLICA and set(map(len, map(_VALUES, destinations))) == \

@@ -281,8 +281,9 @@ class _Scope:
 
     def __enter__(self) -> Strategy:
         top = context.current()
-        if top.strategy is self._strategy and top.replica_context is not None and not context.is_default(top.strategy):
+        if top.strategy is self._strategy and top.replica_context is not None:
             # TensorFlow's scope requires the cross-replica context too: a replica function runs in the strategy
+            # (the default strategy's scope is not this object, so its always-present replica context is not met)
             raise ContextError(f"strategy.scope() cannot be entered inside a replica function of the same strategy "
                                f"(a replica context): the function runs in {self._strategy!r} already. Create "
                                f"variables before strategy.run, or from the cross-replica context of a merge_call.")

@@ -533,8 +533,10 @@ def main(argv: list[str] | None = None) -> int:
             check_resume(args)
         prepare_out(args, strategy.extended.should_checkpoint)
     except (ValueError, BackendUnavailableError) as exc:
+        release_run_directories()  # prepare_out may refuse --overwrite after taking --out
         parser.error(resume_problem(exc) if isinstance(exc, CheckpointError) else str(exc))
     except KeyboardInterrupt:  # Ctrl-C while the devices are found (CuPy's import takes a while): one line
+        release_run_directories()
         sys.stderr.write("\ndistrib train: interrupted before training started; nothing was trained.\n")
         return 130
     chief = strategy.extended.should_checkpoint  # under mpirun, rank 0 alone reports
