@@ -30,16 +30,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser("train", help=COMMANDS["train"], add_help=False)  # its own parser reads the rest
     train.add_argument("rest", nargs=argparse.REMAINDER)
-    bench.add_arguments(commands.add_parser("bench", help=COMMANDS["bench"], description=COMMANDS["bench"]))
-    info.add_arguments(commands.add_parser("info", help=COMMANDS["info"], description=COMMANDS["info"]))
-    timeline.add_arguments(commands.add_parser("timeline", help=COMMANDS["timeline"],
-                                               description=COMMANDS["timeline"]))
+    for name, module in (("bench", bench), ("info", info), ("timeline", timeline)):
+        command = commands.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
+        # the parser that refuses arguments it does not know, so that the message names it (timeline merge sets its own)
+        command.set_defaults(subparser=command)
+        module.add_arguments(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatches `distrib train ...`, `distrib bench ...` and `distrib info`; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Dispatches `distrib train ...`, `distrib bench ...` and `distrib info`; returns the exit status: 1 where its
+    output could not be written (a full disk), even after a run that otherwise succeeded."""
+    from distrib.cli.closed_output import output_failed
+
+    try:
+        status = _dispatch(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as exc:  # --version and --help print, then exit 0
+        if exc.code in (0, None) and output_failed():
+            raise SystemExit(1) from None
+        raise
+    return 1 if status == 0 and output_failed() else status
+
+
+def _dispatch(argv: list[str]) -> int:
     for name in ("stdout", "stderr"):  # started with that descriptor closed (`>&-`): its output goes nowhere, as a
         if getattr(sys, name) is None:  # C program's writes to a closed descriptor do, instead of an AttributeError
             setattr(sys, name, open(os.devnull, "w"))
@@ -52,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         from distrib.cli.train import main as train_main
 
         return _timeline_problem("train") or train_main(argv[1:])
-    args = build_parser().parse_args(argv)  # --version and --help first: they record nothing
+    args, unknown = build_parser().parse_known_args(argv)  # --version and --help first: they record nothing
+    if unknown:  # refused by the subcommand's parser, so that the message names it: "distrib info: error: ..."
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     problem = _timeline_problem(args.command)
     if problem:
         return problem

@@ -12,6 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                description="Merges traces into one that Perfetto opens with a track group per rank.")
     merge.add_argument("traces", nargs="+", help="the traces to merge, e.g. trace.rank*.json")
     merge.add_argument("-o", "--output", required=True, help="the merged trace to write, e.g. trace.json")
+    merge.set_defaults(subparser=merge)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,5 +23,6 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"distrib timeline merge: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {path} ({len(args.traces)} traces)")
+    count = len(args.traces)
+    print(f"wrote {path} ({count} trace{'' if count == 1 else 's'})")
     return 0

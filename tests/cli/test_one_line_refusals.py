@@ -32,7 +32,11 @@ def on_the_emulator(monkeypatch):
     (["timeline"], "distrib timeline: error: the following arguments are required: ACTION"),
     (["timeline", "merge", "t.json"], "distrib timeline merge: error: the following arguments are required: "
                                       "-o/--output"),
-    (["info", "--bogus"], "distrib: error: unrecognized arguments: --bogus"),
+    # an argument a subcommand does not know was refused by "distrib:", as if the command itself had not known it
+    (["info", "--bogus"], "distrib info: error: unrecognized arguments: --bogus"),
+    (["bench", "all_reduce", "extra"], "distrib bench: error: unrecognized arguments: extra"),
+    (["timeline", "merge", "t.json", "-o", "m.json", "--x"], "distrib timeline merge: error: unrecognized arguments: "
+                                                             "--x"),
     (["train", "--out", ""], "distrib train: error: argument --out: an empty path names no directory (pass . for the "
                              "current one)"),
     (["bogus"], "distrib: error: argument COMMAND: invalid choice: 'bogus' (choose from "),
@@ -111,6 +115,23 @@ def test_a_command_started_with_its_output_closed_runs_without_a_traceback(argv)
                           text=True, timeout=120, env={**os.environ, "DISTRIB_BACKEND": "cpu"},
                           preexec_fn=lambda: os.close(1))
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(not pathlib.Path("/dev/full").exists(), reason="needs /dev/full, a device every write fails on")
+@pytest.mark.parametrize("argv", [["info"], ["--version"], ["bench", "all_reduce", *QUICK]])
+def test_output_that_cannot_be_written_is_said_once_and_exits_1(argv):
+    # `distrib info > /dev/full` ended in an OSError traceback; `distrib --version > /dev/full` exited 0, its
+    # output lost
+    import os
+
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "distrib", *argv], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=120, env={**os.environ, "DISTRIB_BACKEND": "cpu"})
+    assert done.returncode == 1, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.startswith("distrib: cannot write")]
+    assert said == ["distrib: cannot write its output ([Errno 28] No space left on device); the rest of it is "
+                    "dropped."], done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_ctrl_c_while_distrib_train_finds_its_devices_is_one_line(tmp_path, monkeypatch, capsys):

@@ -54,6 +54,16 @@ def test_the_rank_traces_of_one_job_merge_into_one(tmp_path, monkeypatch, capsys
     assert merge(capsys, *ranks, out=tmp_path / "merged.json") == (0, [])
 
 
+def test_the_line_that_says_what_was_written_counts_the_traces(tmp_path, monkeypatch, capsys):
+    # "(1 traces)"
+    single = trace_of(tmp_path / "single.json", monkeypatch)
+    assert cli.main(["timeline", "merge", single, "-o", str(tmp_path / "m1.json")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'm1.json'} (1 trace)\n"
+    ranks = [trace_of(tmp_path / "trace.json", monkeypatch, rank) for rank in (0, 1)]
+    assert cli.main(["timeline", "merge", *ranks, "-o", str(tmp_path / "m2.json")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'm2.json'} (2 traces)\n"
+
+
 @pytest.mark.parametrize("text, why", [
     ('{"traceEvents": "abc"}', '"traceEvents" is a string, not a list'),
     ('{"traceEvents": [1, 2]}', 'event 0 is 1, not an object with a "ph"'),

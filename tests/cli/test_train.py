@@ -190,6 +190,19 @@ def test_a_run_whose_reader_goes_away_still_trains_and_writes_its_files(tmp_path
     assert len(json.loads((out / "history.json").read_text())["test_accuracy"]) == 3
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device every write fails on")
+def test_a_run_whose_output_cannot_be_written_still_trains_and_exits_1(tmp_path):
+    # a full disk under stdout: the run trains and writes its files, says once that its output was lost, and does
+    # not exit 0 as if all were well
+    out = tmp_path / "run"
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "distrib", "train", "--epochs", "2", "--out", str(out)],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("distrib: cannot write its output") == 1 and "Traceback" not in done.stderr
+    assert len(json.loads((out / "history.json").read_text())["test_accuracy"]) == 2
+
+
 def test_an_epoch_without_steps_still_prints_its_line(capsys):
     progress = PlainProgress()
     progress.start_epoch(0, 1, steps=0)

@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
                 "device": label, "backend": kind, "emulated": kind == "cpu", "ranks": job.ranks,
                 "processes": job.processes, "type": type_name, "op": args.op, "root": args.root,
                 "versions": versions(), "platform": platform.platform(),
-                "settings": {k: v for k, v in vars(args).items() if k not in ("func", "json", "plot")},
+                "settings": {k: v for k, v in vars(args).items() if k not in ("func", "json", "plot", "subparser")},
                 "series": groups, "rows": rows, "avg_busbw_GBps": averages, "wrong": failures}
     if args.json:
         print(f"# results: {report.write_json(document, args.json)}")
