@@ -176,12 +176,18 @@ def replica_execution(value: str | None) -> str:
     Raises:
       ValueError: for anything but "threads" or "cooperative" (None takes the environment's).
     """
-    where = "replica_execution"
-    if value is None:
-        value, where = os.environ.get("DISTRIB_REPLICA_EXECUTION") or "threads", "DISTRIB_REPLICA_EXECUTION"
+    where, received = "replica_execution", value
+    if value is None:  # the environment's in any case and spacing, as DISTRIB_BACKEND is; unset or blank: threads
+        where, received = "DISTRIB_REPLICA_EXECUTION", os.environ.get("DISTRIB_REPLICA_EXECUTION", "")
+        value = received.strip().lower() or "threads"
     if value not in REPLICA_EXECUTIONS:
-        raise ValueError(f"{where} must be 'threads' or 'cooperative'. Received: {value!r}.")
+        raise ValueError(f"{where} must be 'threads' or 'cooperative'. Received: {received!r}.")
     return value
+
+
+def replica_execution_is_set() -> bool:
+    """Whether $DISTRIB_REPLICA_EXECUTION names a way to run replicas (blank counts as unset)."""
+    return bool(os.environ.get("DISTRIB_REPLICA_EXECUTION", "").strip())
 
 
 @dataclass(frozen=True)

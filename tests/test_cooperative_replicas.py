@@ -186,6 +186,9 @@ def test_the_environment_chooses_and_gpus_keep_their_threads(monkeypatch):
     monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "cooperative")
     s = distrib.MirroredStrategy(DEVICES[:2])
     assert local(s, s.run(threading.get_ident)) == (threading.get_ident(),) * 2
+    monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", " Cooperative")  # any case and spacing, as DISTRIB_BACKEND
+    s = distrib.MirroredStrategy(DEVICES[:2])
+    assert local(s, s.run(threading.get_ident)) == (threading.get_ident(),) * 2
     monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "fibers")
     with pytest.raises(ValueError, match="DISTRIB_REPLICA_EXECUTION must be 'threads' or 'cooperative'. "
                                          "Received: 'fibers'"):

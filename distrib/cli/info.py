@@ -51,7 +51,7 @@ def gather() -> dict:
 
 def _replica_execution(kind: str | None) -> str:
     """How MirroredStrategy() would run its replicas here, and what decided it."""
-    from distrib.options import replica_execution
+    from distrib.options import replica_execution, replica_execution_is_set
 
     try:
         chosen = replica_execution(None)
@@ -60,7 +60,7 @@ def _replica_execution(kind: str | None) -> str:
     if kind == "cuda":
         return ("threads (GPU replicas run on threads unless a strategy asks for replica_execution='cooperative', "
                 "which replicas sharing one GPU allow; DISTRIB_REPLICA_EXECUTION applies to emulated replicas only)")
-    if os.environ.get("DISTRIB_REPLICA_EXECUTION"):
+    if replica_execution_is_set():
         return f"{chosen} (DISTRIB_REPLICA_EXECUTION={chosen})"
     return (f"{chosen} (the default; DISTRIB_REPLICA_EXECUTION=cooperative runs emulated replicas as greenlets, as "
             f"`distrib train` does unless it is set)")
@@ -106,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints the facts; exit status 1 when the environment leaves distrib no backend to run on."""
+    """Prints the facts; exit status 1 when the environment leaves distrib no backend to run on, or no way to run
+    its replicas (a $DISTRIB_REPLICA_EXECUTION every strategy would refuse)."""
     facts = gather()
-    status = 0 if facts["backend"] else 1
+    status = 0 if facts["backend"] and not facts["replica_execution"].startswith("none (") else 1
     if args.json:
         print(json.dumps(facts, indent=1))
         return status

@@ -13,6 +13,7 @@ import numpy as np
 from distrib.backends import detect, get_backend
 from distrib.backends.parallel import usable_cores
 from distrib.install_hint import pip_install
+from distrib.options import replica_execution_is_set
 from distrib.mirrored import MirroredStrategy
 from distrib.mpi_env import mpi_environment
 from distrib.multi_worker import MultiWorkerMirroredStrategy
@@ -105,6 +106,6 @@ def make_strategy(args: argparse.Namespace) -> Strategy:
 def replica_execution() -> str | None:
     """Emulated replicas train cooperatively unless $DISTRIB_REPLICA_EXECUTION says otherwise: the step has no
     Python shared between replicas, and on the emulator it ran 35-65 % more samples/s than with replica threads."""
-    if os.environ.get("DISTRIB_REPLICA_EXECUTION") or detect() != "cpu":
+    if replica_execution_is_set() or detect() != "cpu":
         return None
     return "cooperative"

@@ -90,8 +90,15 @@ def test_info_says_how_emulated_replicas_run_and_why(monkeypatch):
     assert "as `distrib train` does unless it is set" in json.loads(info("--json"))["replica_execution"]
     monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "cooperative")
     assert "replica execution: cooperative (DISTRIB_REPLICA_EXECUTION=cooperative)" in info()
+    # read in any case and spacing, as DISTRIB_BACKEND is ("Threads" was refused)
+    monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", " Cooperative ")
+    assert "replica execution: cooperative (DISTRIB_REPLICA_EXECUTION=cooperative)" in info()
+    monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", " ")
+    assert "replica execution: threads (the default;" in info()
+    # a value every strategy would refuse: said, and exit status 1 (it was 0)
     monkeypatch.setenv("DISTRIB_REPLICA_EXECUTION", "fibers")
-    assert "replica execution: none (DISTRIB_REPLICA_EXECUTION must be 'threads' or 'cooperative'" in info()
+    assert ("replica execution: none (DISTRIB_REPLICA_EXECUTION must be 'threads' or 'cooperative'. Received: "
+            "'fibers'.)") in info(status=1)
 
 
 def test_info_names_the_mpi_library_that_mpirun_would_start(tmp_path):
