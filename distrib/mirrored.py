@@ -35,7 +35,7 @@ from distrib.replica_context import ReplicaContext
 from distrib.replica_team import IdleThreadsTeam, ReplicaTeam
 from distrib.replica_greenlets import runs_cooperatively, thread_replicas
 from distrib.replica_threads import (DONE, WAITING, ReplicaThread, RequestedStop, Run, count_mismatch, executing_worker,
-                                     name_replica, retire_all, retire_when_dropped, wake_all)
+                                     name_replica, retire_all, retire_when_dropped, start_threads, wake_all)
 from distrib.run_waits import POLL_SECONDS, patience, wait_for_phase
 from distrib.strategy import Strategy
 from distrib.thread_waits import wait_chain
@@ -76,7 +76,7 @@ class MirroredExtended(InlineRuns, StrategyExtended):
             self._threads.clear()
         if not self._threads:
             with deferred_interrupts():  # all of them or none: a run on some would wait for the others for good
-                self._threads.extend(ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices))
+                self._threads.extend(start_threads(self._devices, self._backend))
                 if not self._retired_when_dropped:  # the strategy holds no reference cycle: no collection needed
                     retire_when_dropped(self._container_strategy, self._threads)
                     self._retired_when_dropped = True
@@ -125,7 +125,7 @@ class MirroredExtended(InlineRuns, StrategyExtended):
             threads: list[ReplicaThread] = []
             try:
                 with deferred_interrupts():  # all of them or none, and each one retired below
-                    threads.extend(ReplicaThread(i, d, self._backend) for i, d in enumerate(self._devices))
+                    threads.extend(start_threads(self._devices, self._backend))
                 return self._run(fn, args, kwargs, threads, deadline)
             finally:
                 retire_all(threads)

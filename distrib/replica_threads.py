@@ -250,6 +250,29 @@ class ReplicaThread:
         return "    (no stack available)\n"
 
 
+def start_threads(devices: Sequence[str], backend: Backend) -> list[ReplicaThread]:
+    """A started ReplicaThread per device of `devices`, or none: where the OS refuses one, those already started
+    are retired (a run on some would wait for the others for good) and a RuntimeError says how many started.
+
+    Call it with interrupts deferred, and keep what it returns before they are let through: a Ctrl-C must not land
+    between the threads' start and their owner's list.
+    """
+    threads: list[ReplicaThread] = []
+    try:
+        for replica_id, device in enumerate(devices):
+            threads.append(ReplicaThread(replica_id, device, backend))
+    except BaseException as exc:
+        started = len(threads)
+        retire_all(threads)
+        if isinstance(exc, RuntimeError) and "thread" in str(exc):  # "can't start new thread"
+            raise RuntimeError(
+                f"Only {started} of the {len(devices)} replica threads could start ({exc}): this process reached "
+                f"its limit of threads, or of memory for their stacks. Run fewer replicas, or raise the limit "
+                f"(ulimit -u, /proc/sys/kernel/threads-max).") from exc
+        raise
+    return threads
+
+
 def wake_all(threads: Sequence[ReplicaThread]) -> None:
     """Starts a phase on every thread of `threads`: wakes the first, and each wakes the next once it is awake.
 

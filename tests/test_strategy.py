@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -49,6 +52,46 @@ def test_replica_threads_are_reused_across_runs():
     assert threading.get_ident() not in idents[0]
     started = {t for t in set(threading.enumerate()) - before if t.name.startswith("distrib-replica-")}
     assert {t.ident for t in started} == set(idents[0])
+
+
+THREAD_LIMIT = """
+import resource, threading, time
+import distrib
+
+def vm_size() -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+
+distrib.MirroredStrategy(["CPU:0", "CPU:1"]).run(lambda: 1)  # the reaper and BLAS's threads exist before the limit
+resource.setrlimit(resource.RLIMIT_AS, (vm_size() + (1 << 30), resource.RLIM_INFINITY))
+threading.stack_size(256 << 20)  # room for about 4 threads' stacks under the limit
+try:
+    distrib.MirroredStrategy([f"CPU:{i}" for i in range(16)]).run(lambda: 1)
+except RuntimeError as exc:
+    print(exc)
+threading.stack_size(0)
+strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+print(strategy.run(lambda: "ran"))
+for _ in range(100):  # the retired threads end once they wake: within moments
+    replicas = sorted(t.name for t in threading.enumerate() if t.name.startswith("distrib-replica"))
+    if len(replicas) == 2:
+        break
+    time.sleep(0.1)
+print(replicas)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the address space from /proc")
+def test_replica_threads_the_os_cannot_start_are_one_clear_error_and_leave_none_behind():
+    # the threads started before the OS refused one stayed, waiting for a run, and the error was Python's bare
+    # "can't start new thread"
+    done = subprocess.run([sys.executable, "-c", THREAD_LIMIT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    refusal, ran, names = done.stdout.splitlines()
+    assert re.fullmatch(r"Only \d+ of the 16 replica threads could start \(can't start new thread\): this process "
+                        r"reached its limit of threads, or of memory for their stacks\. Run fewer replicas, or raise "
+                        r"the limit \(ulimit -u, /proc/sys/kernel/threads-max\)\.", refusal), refusal
+    assert ran == "ran"
+    assert names == "['distrib-replica-0', 'distrib-replica-1']"
 
 
 # -- reduce ------------------------------------------------------------------------------------------------------

@@ -28,6 +28,10 @@ from distrib.install_hint import pip_install
 from distrib.plan import NATIVE, NCCL, Buffer, dtype_name
 
 DEFAULT_REPLICAS = 2
+# Every replica is a thread of this process (in cooperative runs too, which share the merges' work on them): past a
+# few thousand, the OS's thread limit or the time to start them is reached long before the emulator helps anyone,
+# and a count such as 10**9 would first build a billion device names.
+MAX_REPLICAS = 4096
 # Copies of members smaller than this on average hold the GIL between members for too long to overlap on threads.
 SMALL_COPY_BYTES = MIN_SHARE_BYTES // 4
 
@@ -113,11 +117,12 @@ def replicas_from_environment() -> int:
     """$DISTRIB_CPU_REPLICAS (default 2): how many emulated devices a strategy that names none gets.
 
     Raises:
-      ValueError: it is set to anything but a positive integer.
+      ValueError: it is set to anything but an integer from 1 to MAX_REPLICAS.
     """
     raw = os.environ.get("DISTRIB_CPU_REPLICAS", str(DEFAULT_REPLICAS))
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"DISTRIB_CPU_REPLICAS must be a positive integer. Received: {raw!r}.")
+    if not raw.strip().isdigit() or not 1 <= int(raw) <= MAX_REPLICAS:
+        raise ValueError(f"DISTRIB_CPU_REPLICAS must be a positive integer of at most {MAX_REPLICAS} (each emulated "
+                         f"replica is a thread of this process). Received: {raw!r}.")
     return int(raw)
 
 
@@ -234,8 +239,9 @@ class CpuBackend(Backend):
     def __init__(self, num_default_replicas: int | None = None):
         if num_default_replicas is None:
             num_default_replicas = replicas_from_environment()
-        if num_default_replicas < 1:
-            raise ValueError(f"The CPU emulator needs at least 1 replica. Received: {num_default_replicas}.")
+        if not 1 <= num_default_replicas <= MAX_REPLICAS:
+            raise ValueError(f"The CPU emulator runs 1 to {MAX_REPLICAS} replicas (each a thread of this process). "
+                             f"Received: {num_default_replicas}.")
         self._num_default = num_default_replicas
         self._pool = BufferPool()
         self._member_copies = MemberCopies()

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from distrib.backends.cpu import MAX_REPLICAS
 from distrib.checkpoint import Checkpoint
 from distrib.cli.model import MLP
 from distrib.cli.progress import (History, TrainingDiverged, check_finite, plot_history, progress_display,
@@ -300,6 +301,9 @@ def check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1. Received: {value}.")
+    if args.replicas is not None and args.replicas > MAX_REPLICAS:  # checked before it builds a device per replica
+        raise ValueError(f"--replicas must be at most {MAX_REPLICAS}: each replica is a thread of this process. "
+                         f"Received: {args.replicas}.")
     training_rows = len(load_digits()[0])
     if args.global_batch_size > training_rows:
         raise ValueError(f"--global-batch-size must be at most the {training_rows} training rows, or no step "

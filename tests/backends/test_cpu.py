@@ -153,11 +153,20 @@ def test_default_devices_follow_the_environment(monkeypatch):
     assert CpuBackend(num_default_replicas=1).default_devices() == ("CPU:0",)
 
 
-@pytest.mark.parametrize("raw", ["two", "0", "-1"])
+@pytest.mark.parametrize("raw", ["two", "0", "-1", "4097", "1000000000"])
 def test_bad_replica_count_is_rejected(monkeypatch, raw):
     monkeypatch.setenv("DISTRIB_CPU_REPLICAS", raw)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"^DISTRIB_CPU_REPLICAS must be a positive integer of at most 4096 .*"
+                                         f"Received: '{raw}'"):
         CpuBackend()
+
+
+def test_the_largest_replica_count_is_accepted_and_one_more_refused(monkeypatch):
+    monkeypatch.setenv("DISTRIB_CPU_REPLICAS", "4096")
+    assert len(CpuBackend().default_devices()) == 4096
+    with pytest.raises(ValueError, match=r"^The CPU emulator runs 1 to 4096 replicas \(each a thread of this "
+                                         r"process\)\. Received: 4097\.$"):
+        CpuBackend(num_default_replicas=4097)
 
 
 def test_only_cpu_devices_exist():

@@ -134,7 +134,8 @@ def test_flags_distrib_cannot_honour_exit_with_the_reason(flags, message, capsys
 @pytest.mark.parametrize("env, message", [
     ({"DISTRIB_BACKEND": "gpu"}, "distrib bench: error: DISTRIB_BACKEND must be 'cpu' or 'cuda'. Received: 'gpu'."),
     ({"DISTRIB_BACKEND": "cpu", "DISTRIB_CPU_REPLICAS": "0"},
-     "distrib bench: error: DISTRIB_CPU_REPLICAS must be a positive integer. Received: '0'."),
+     "distrib bench: error: DISTRIB_CPU_REPLICAS must be a positive integer of at most 4096 (each emulated replica "
+     "is a thread of this process). Received: '0'."),
 ])
 def test_an_environment_distrib_cannot_use_exits_with_one_line(env, message):
     result = subprocess.run([sys.executable, "-m", "distrib", "bench", "all_reduce", *QUICK], capture_output=True,

@@ -29,6 +29,9 @@ def on_the_emulator(monkeypatch):
     (["bench", "all_reduce", "-f", "1.5"], "distrib bench: error: argument -f/--stepfactor: invalid int value: '1.5'"),
     (["bench", "all_reduce", "-b", "abc"], "distrib bench: error: argument -b/--minbytes: A size is a number of bytes"),
     (["bench"], "distrib bench: error: the following arguments are required: collective"),
+    # a hundred million devices ran out of memory building their names
+    (["bench", "all_reduce", "-g", "100000000"], "distrib bench: error: -g must be at most 4096: each device's "
+                                                 "replica is a thread of this process. Received: 100000000."),
     (["timeline"], "distrib timeline: error: the following arguments are required: ACTION"),
     (["timeline", "merge", "t.json"], "distrib timeline merge: error: the following arguments are required: "
                                       "-o/--output"),

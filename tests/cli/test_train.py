@@ -105,6 +105,9 @@ def test_steps_run_ahead_of_the_host_which_reads_their_losses_once_per_refresh(t
 @pytest.mark.parametrize("flags, message", [
     (["--replicas", "3", "--global-batch-size", "64"], "--global-batch-size must divide evenly over the 3 replicas"),
     (["--epochs", "0"], "--epochs must be at least 1. Received: 0."),
+    # a hundred million replicas ground on building their devices
+    (["--replicas", "100000000"], "--replicas must be at most 4096: each replica is a thread of this process. "
+                                  "Received: 100000000."),
     (["--momentum", "0.9"], "--momentum applies to --optimizer sgd only"),
     (["--resume"], "--resume found no checkpoint"),
     (["--learning-rate", "nan"], "--learning-rate must be a finite number of at least 0. Received: nan."),
@@ -162,7 +165,11 @@ def test_running_again_into_a_run_needs_resume_or_overwrite(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("environment, message", [
-    ({"DISTRIB_CPU_REPLICAS": "abc"}, "DISTRIB_CPU_REPLICAS must be a positive integer. Received: 'abc'."),
+    ({"DISTRIB_CPU_REPLICAS": "abc"}, "DISTRIB_CPU_REPLICAS must be a positive integer of at most 4096 (each "
+                                      "emulated replica is a thread of this process). Received: 'abc'."),
+    # a billion replicas ground on building their device names, then ran out of memory
+    ({"DISTRIB_CPU_REPLICAS": "1000000000"}, "DISTRIB_CPU_REPLICAS must be a positive integer of at most 4096 (each "
+                                             "emulated replica is a thread of this process). Received: '1000000000'."),
     ({"DISTRIB_BACKEND": "gpu"}, "DISTRIB_BACKEND must be 'cpu' or 'cuda'. Received: 'gpu'."),
     pytest.param({"DISTRIB_BACKEND": "cuda"}, "DISTRIB_BACKEND=cuda, but ", marks=pytest.mark.skipif(
         cuda_problem() is None, reason="the CUDA backend runs here")),

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from distrib.backends.cpu import MAX_REPLICAS
 from distrib.cli.bench import memory, report
 from distrib.cli.bench.job import Job, device_lines, label as job_label, launched_processes, multi_worker
 from distrib.cli.bench.output import Output
@@ -100,6 +101,9 @@ def check_arguments(args: argparse.Namespace) -> None:
                              ("-g", 1 if args.ngpus is None else args.ngpus, 1)):
         if value < low:
             raise _fail(f"{flag} must be at least {low}. Received: {value}.")
+    if args.ngpus is not None and args.ngpus > MAX_REPLICAS:  # before it builds a device name per replica
+        raise _fail(f"-g must be at most {MAX_REPLICAS}: each device's replica is a thread of this process. "
+                    f"Received: {args.ngpus}.")
     if args.minbytes > args.maxbytes:
         raise _fail(f"invalid sizes for 'minbytes' and 'maxbytes': {args.minbytes} > {args.maxbytes}")
     if args.stepfactor == 1 and args.stepbytes < 1:
