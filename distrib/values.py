@@ -13,7 +13,8 @@ import optree
 from distrib import context
 
 # Structures are nested lists, tuples, namedtuples and dicts; everything else (arrays, distributed values,
-# numbers) is a leaf. None is an empty node, as in tf.nest.
+# numbers) is a leaf. None is an empty node, so that reductions and collectives pass it through; tf.nest has it a
+# leaf, which `regroup` follows where it shows (None on some replicas only, or values wrapped always).
 _NAMESPACE = "distrib"
 
 
@@ -294,20 +295,42 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     kind = type(first)
     if len(per_replica) == 1 and not always_wrap and kind in LEAF_TYPES:  # one replica's array: itself
         return first
+    if always_wrap:  # every leaf wrapped, None included: TensorFlow's values from a function
+        return _regroup_leaves(per_replica, _flatten_none_too, wrap_class, True, rule)
     if _is_empty(first) and all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine
         return {} if type(first) is dict else first
-    if len(per_replica) == 1 and not always_wrap:  # every leaf is "the same object everywhere": itself
+    if len(per_replica) == 1:  # every leaf is "the same object everywhere": itself
         leaves, spec = flatten(first)
         return unflatten(spec, leaves)
-    if kind in LEAF_TYPES and len(per_replica) > 1 and per_replica[1] is not first and \
+    if kind in LEAF_TYPES and per_replica[1] is not first and \
             all(type(x) is kind for x in per_replica):  # one distinct array per replica: the usual result of a run
         return wrap_class._wrap(tuple(per_replica))
-    first_leaves, spec = flatten(first)
+    try:
+        return _regroup_leaves(per_replica, flatten, wrap_class, False, rule)
+    except _StructureMismatch as mismatch:
+        try:  # None on some replicas where the others have a value: a leaf there, as in tf.nest
+            return _regroup_leaves(per_replica, _flatten_none_too, wrap_class, False, rule)
+        except _StructureMismatch:
+            raise ValueError(str(mismatch)) from None
+
+
+class _StructureMismatch(Exception):
+    """Two replicas' structures differ (regroup's ValueError, before the retry that takes None as a leaf)."""
+
+
+def _flatten_none_too(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    return optree.tree_flatten(structure, none_is_leaf=True, namespace=_NAMESPACE)
+
+
+def _regroup_leaves(per_replica: Sequence[Any], flatten_one: Callable, wrap_class: type, always_wrap: bool,
+                    rule: str) -> Any:
+    first_leaves, spec = flatten_one(per_replica[0])
     columns = [first_leaves]
     for replica_id, structure in enumerate(per_replica[1:], start=1):
-        leaves, other_spec = flatten(structure)
+        leaves, other_spec = flatten_one(structure)
         if other_spec != spec:
-            raise ValueError(structure_mismatch(rule, replica_id, spec.paths(), other_spec.paths(), spec, other_spec))
+            raise _StructureMismatch(structure_mismatch(rule, replica_id, spec.paths(), other_spec.paths(), spec,
+                                                        other_spec))
         columns.append(leaves)
     out = []
     for values in zip(*columns):

@@ -187,6 +187,37 @@ def test_regroup_names_the_replica_and_path_where_structures_differ(structures, 
         regroup(structures)
 
 
+def test_none_on_some_replicas_is_a_component_as_in_tensorflow(strategy):
+    # "Every replica must return the same structure": TensorFlow's nest has None a leaf, and gives
+    # PerReplica(None, ...) for a replica that returns None where the others return an array
+    def step():
+        r = distrib.get_replica_context().replica_id_in_sync_group
+        return {"loss": None if r == 0 else np.float32(r), "nothing": None}
+
+    out = strategy.run(step)
+    assert isinstance(out["loss"], PerReplica) and out["loss"].values == (None, 1.0, 2.0, 3.0)
+    assert out["nothing"] is None  # None everywhere: the same object, unwrapped
+    assert [x["loss"] for x in strategy.experimental_local_results(out)] == [None, 1.0, 2.0, 3.0]
+    with pytest.raises(TypeError, match=r"^Expected an array of numbers\. Received: None\.$"):
+        strategy.reduce("SUM", out["loss"], axis=None)
+    # structures that differ by more than None still say where
+    with pytest.raises(ValueError, match=r"path \[0\] is a list on replica 1 but None on replica 0"):
+        regroup([[None], [[]]])
+
+
+def test_values_from_a_function_wrap_none_as_tensorflow_does(strategy):
+    # None was left unwrapped (TensorFlow: PerReplica of Nones), and None on one replica only was refused
+    nothing = strategy.experimental_distribute_values_from_function(lambda ctx: None)
+    assert isinstance(nothing, PerReplica) and nothing.values == (None,) * 4
+    pair = strategy.experimental_distribute_values_from_function(lambda ctx: (None, np.float32(1)))
+    assert [type(x) for x in pair] == [PerReplica, PerReplica] and pair[0].values == (None,) * 4
+    some = strategy.experimental_distribute_values_from_function(
+        lambda ctx: None if ctx.replica_id_in_sync_group == 2 else np.float32(1))
+    assert some.values == (1.0, 1.0, None, 1.0)
+    assert strategy.run(lambda x: x, args=(some,)).values == (1.0, 1.0, None, 1.0)
+    assert strategy.experimental_distribute_values_from_function(lambda ctx: ()) == ()
+
+
 def test_run_results_follow_the_regroup_rules(strategy):
     shared = object()
 

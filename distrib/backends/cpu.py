@@ -143,6 +143,8 @@ def to_numpy(value: Any) -> np.ndarray:
         return value
     if isinstance(value, (np.number, np.bool_, int, float, complex, bool)):
         return np.asarray(value)
+    if value is None:  # e.g. the component of a replica that returned None where the others returned arrays
+        raise TypeError("Expected an array of numbers. Received: None.")
     if is_torch_tensor(value):
         return _torch_to_numpy(value)
     location = gpu_location(value)
