@@ -33,7 +33,8 @@ from distrib.checkpoint import Checkpoint
 from distrib.cli.model import MLP
 from distrib.cli.progress import (History, TrainingDiverged, check_finite, plot_history, progress_display,
                                    read_scalars)
-from distrib.cli.train_strategy import compute_dtype, make_strategy, replicas_at_once, shared_cores
+from distrib.cli.train_strategy import (AlikeOnEveryRank, compute_dtype, make_strategy, replicas_at_once,
+                                        shared_cores)
 from distrib.datasets import DIGITS_CLASSES, load_digits
 from distrib.errors import BackendUnavailableError, CheckpointError, WorkerFailedError
 from distrib.install_hint import pip_install
@@ -538,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_out(args, strategy.extended.should_checkpoint)
     except (ValueError, BackendUnavailableError) as exc:
         release_run_directories()  # prepare_out may refuse --overwrite after taking --out
+        parser.alike_on_every_rank = isinstance(exc, AlikeOnEveryRank)
         parser.error(resume_problem(exc) if isinstance(exc, CheckpointError) else str(exc))
     except KeyboardInterrupt:  # Ctrl-C while the devices are found (CuPy's import takes a while): one line
         release_run_directories()

@@ -81,6 +81,10 @@ def shared_cores(replicas: int):
         yield threads
 
 
+class AlikeOnEveryRank(ValueError):
+    """A refusal every rank of an MPI job makes alike (from what the job agreed on), which rank 0 alone says."""
+
+
 def make_strategy(args: argparse.Namespace) -> Strategy:
     """The MirroredStrategy `--replicas` asks for, or under `mpirun -np N` (N > 1) a MultiWorkerMirroredStrategy
     with `--replicas` emulated replicas per process; ValueError if the batch or precision cannot run on it."""
@@ -97,7 +101,7 @@ def make_strategy(args: argparse.Namespace) -> Strategy:
         strategy = MirroredStrategy(devices, replica_execution=replica_execution())
     replicas = strategy.num_replicas_in_sync
     if args.global_batch_size % replicas:
-        raise ValueError(f"--global-batch-size must divide evenly over the {replicas} replicas, so that every "
+        raise AlikeOnEveryRank(f"--global-batch-size must divide evenly over the {replicas} replicas, so that every "
                          f"replica's batch mean weighs rows equally. Received: {args.global_batch_size}.")
     compute_dtype(args.precision, strategy.extended.backend.xp)
     return strategy

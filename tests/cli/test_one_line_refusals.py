@@ -100,6 +100,9 @@ def test_distrib_bench_refuses_mpi_announcements_it_cannot_use_in_one_line():
 @pytest.mark.parametrize("flags, message", [
     (["--epochs", "0"], "distrib train: error: --epochs must be at least 1. Received: 0."),
     (["--bogus"], "distrib train: error: unrecognized arguments: --bogus"),
+    # refused after the job agreed on its replicas, by every rank alike: it was said once per rank
+    (["--global-batch-size", "63"], "distrib train: error: --global-batch-size must divide evenly over the 2 "
+                                    "replicas, so that every replica's batch mean weighs rows equally. Received: 63."),
 ])
 def test_distrib_train_under_mpirun_says_a_bad_flag_once_not_once_per_rank(tmp_path, flags, message):
     done = subprocess.run([MPIRUN, "-np", "2", sys.executable, "-m", "distrib", "train", "--out", str(tmp_path / "run"),
