@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -31,10 +32,15 @@ class History:
         self.test_accuracy.append(test_accuracy)
 
     def save(self, path: Path) -> None:
-        """Writes atomically: a crash leaves the previous file."""
+        """Writes atomically: a crash leaves the previous file, and a failed write (a full disk) no partial one."""
         partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps(asdict(self)))
-        os.replace(partial, path)
+        try:
+            partial.write_text(json.dumps(asdict(self)))
+            os.replace(partial, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                partial.unlink()
+            raise
 
     @classmethod
     def load(cls, path: Path, epochs: int) -> "History":

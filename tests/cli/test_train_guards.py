@@ -74,6 +74,31 @@ def test_the_history_is_written_after_the_checkpoint_it_describes(tmp_path, monk
     assert seen == [True]
 
 
+def test_a_history_that_cannot_be_written_keeps_the_last_one_and_leaves_no_partial_file(tmp_path, monkeypatch,
+                                                                                         capsys):
+    # a full disk while history.json was written left history.json.partial in --out
+    import errno
+    import pathlib
+
+    write_text, writes = pathlib.Path.write_text, []
+
+    def disk_fills_on_the_second_history(path, text, *args, **kwargs):
+        if path.name == "history.json.partial":
+            writes.append(path)
+            if len(writes) == 2:
+                write_text(path, text[:10], *args, **kwargs)  # what fitted
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", disk_fills_on_the_second_history)
+    assert train_main([*ONE_STEP, "--epochs", "3", "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"distrib train: the history could not be written to {tmp_path / 'history.json'} (No space left on "
+        f"device); the checkpoint of epoch 2 was.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "history.json"]
+    assert len(json.loads((tmp_path / "history.json").read_text())["test_accuracy"]) == 1
+
+
 def test_a_run_stopped_between_the_checkpoint_and_the_history_resumes(tmp_path, capsys):
     flags = [*ONE_STEP, "--out", str(tmp_path)]
     assert train_main([*flags, "--epochs", "2"]) == 0
