@@ -7,9 +7,11 @@ MPI.FLOAT], MPI.SUM)` (typed buffer specs, as distrib passes them; interleaved w
 2026-11-28 they took the same time) on the very arrays distrib reduces, into the pooled buffer distrib's results
 land in; `backend` is the MPI backend's
 `all_reduce` of that array alone (the transport layer, as bench/nccl_bench.py times the CUDA backend), `reduce_to`
-and `run` the strategy's API on top of it. The columns are interleaved call by call (raw, backend, reduce_to, run,
-raw, ...), every call started by a barrier and timed on its own, so a core taken away by another job hits every
-column alike and shows up as an outlier that the median ignores. The target: distrib's median within 10 % of raw's
+and `run` the strategy's API on top of it. The columns are interleaved call by call, every call started by a
+barrier and timed on its own, so a core taken away by another job hits every column alike and shows up as an
+outlier that the median ignores. Their order is shuffled at every round (the same on every rank): a call pays for
+the state the call before it left in the caches, so in a fixed order each column pays for its own predecessor
+(2026-12-07, 1 MB: the same raw Allreduce took 259 µs after a raw call and 270 µs after a backend call). The target: distrib's median within 10 % of raw's
 from 1 MB (PASS/FAIL per row and column).
 Rank 0 prints the table and writes the JSON to bench/results/multi-worker-<date>-cpu.json.
 """
@@ -21,6 +23,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -81,9 +84,11 @@ def measure(strategy, comm, kilobytes: int, seconds: float) -> dict:
         comm.Allreduce(source, raw_out)
     calls = comm.bcast(int(min(5000, max(50, seconds / ((time.perf_counter() - begin) / 5)))), root=0)
     samples: dict[str, list[float]] = {name: [] for name in COLUMNS}
+    order, shuffle = list(COLUMNS), random.Random(kilobytes).shuffle  # one seed: every rank shuffles alike
     comm.Barrier()
     for _ in range(calls):  # call by call, every rank in the same order, started together
-        for name in COLUMNS:
+        shuffle(order)
+        for name in order:
             step = steps[name]
             if name == "raw":
                 destination.append(backend._pool.empty(source.shape, source.dtype))
@@ -156,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     "cpus": os.cpu_count(), "mpi": MPI.Get_library_version().splitlines()[0].rstrip("\x00"),
                     "processes": comm.size, "replicas_per_process": 1,
                     "load_average": {"before": load_before[0], "after": load_after[0]}},
-        "method": "every call started by a barrier and timed on rank 0, columns interleaved call by call; median, "
-                  "25th percentile, fastest",
+        "method": "every call started by a barrier and timed on rank 0, columns interleaved call by call in an "
+                  "order shuffled every round; median, 25th percentile, fastest",
         "rows": rows, "target": {"overhead": TARGET_OVERHEAD, "from_kilobytes": TARGET_FROM_KB, "met": met},
         "note": "shared machine: other jobs ran at the same time, so timings are noisy"}, indent=2) + "\n")
     print(f"wrote {path}")
