@@ -345,6 +345,8 @@ class SyncOnReadVariable(DistributedVariable):
         if method != "assign" and self._aggregation is VariableAggregation.SUM:
             raise ValueError(f"SyncOnReadVariable {self._name!r} with aggregation SUM does not support {method} in "
                              f"a cross-replica context: the change would be counted once per replica.")
+        if isinstance(value, DistributedVariable):  # its value as read here, as TensorFlow does: a SyncOnRead
+            value = value.read_value()  # source's aggregate, not its copies one for one
         # a PerReplica (or a list holding some) gives each copy its replica's value, whatever the aggregation (SUM
         # too: the copies then add up to their sum); one value assigned to a SUM variable is shared out
         per_replica = isinstance(value, PerReplica) or holds_leaf(value, PerReplica, (list, tuple))

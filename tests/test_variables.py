@@ -449,6 +449,19 @@ def test_sync_on_read_cross_replica_assign(strategy, aggregation, expected):
         assert float(v.read_value()) == 6.0
 
 
+@pytest.mark.parametrize("target, expected", [(SUM, [2.5] * 4), (MEAN, [10.0] * 4), (FIRST, [10.0] * 4)],
+                         ids=["SUM", "MEAN", "FIRST"])
+def test_sync_on_read_cross_replica_assign_from_a_sync_on_read_variable_takes_its_aggregate(strategy, target,
+                                                                                           expected):
+    # before, MEAN and FIRST targets took the source's copies one for one (1, 2, 3, 4): they read 2.5 and 1.0
+    # where TensorFlow's read 10, the source's value
+    source = sync_on_read(strategy, 0.0, SUM)
+    strategy.run(lambda: source.assign(np.float32(distrib.get_replica_context().replica_id_in_sync_group + 1)))
+    v = sync_on_read(strategy, 0.0, target)
+    v.assign(source)
+    assert copies(v) == expected and float(v.read_value()) == 10.0
+
+
 def test_sync_on_read_cross_replica_assign_of_an_integer_sum_truncates(two_replicas):
     v = sync_on_read(two_replicas, 0, SUM, np.int32)
     v.assign(7)  # 7 / 2 = 3.5 -> 3 on each copy
