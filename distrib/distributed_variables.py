@@ -137,6 +137,13 @@ class MirroredVariable(DistributedVariable):
 
     def _write(self, method: str, value: Any, read_value: bool = True):
         if isinstance(value, DistributedVariable):
+            if isinstance(value, MirroredVariable) and self._aggregation is VariableAggregation.SUM and \
+                    self._strategy.num_replicas_in_sync > 1 and self._in_replica_context():
+                # one value on every replica, as the same object is (TensorFlow: a bare AssertionError)
+                raise ValueError(f"A MirroredVariable holds one value on every replica: SUM-aggregating it into "
+                                 f"{self._name!r} would count it {self._strategy.num_replicas_in_sync} times. "
+                                 f"Received: {method} of {value.name!r} in a replica context; pass a per-replica "
+                                 f"value, or use aggregation MEAN or ONLY_FIRST_REPLICA.")
             value = value.read_value()
         local = self._local()
         if not self._in_replica_context():

@@ -134,6 +134,25 @@ def test_a_list_written_in_a_replica_context_is_aggregated_like_an_array(strateg
     assert copies(w) == [expected] * 3
 
 
+def test_a_mirrored_variable_sum_aggregated_in_a_replica_context_is_refused_and_a_sync_on_read_one_is_not(strategy):
+    # before: the mirrored value was counted once per replica, silently (TensorFlow: a bare AssertionError)
+    with strategy.scope():
+        total = distrib.Variable(np.array([1.0, 2.0], np.float32), name="total", aggregation="SUM")
+        mean = distrib.Variable(np.array([1.0, 2.0], np.float32), aggregation="MEAN")
+        delta = distrib.Variable(np.array([3.0, 4.0], np.float32), name="delta")
+        counts = distrib.Variable(np.array([3.0, 4.0], np.float32), synchronization=ON_READ, aggregation="SUM")
+    with pytest.raises(ValueError, match=r"^A MirroredVariable holds one value on every replica: SUM-aggregating it "
+                                         r"into 'total' would count it 3 times\. Received: assign_add of 'delta'"):
+        strategy.run(lambda: total.assign_add(delta))
+    assert copies(total) == [[1.0, 2.0]] * 3
+    strategy.run(lambda: mean.assign_add(delta))  # its mean is itself
+    assert copies(mean) == [[4.0, 6.0]] * 3
+    strategy.run(lambda: total.assign_add(counts))  # each replica's own copy: a per-replica value, summed
+    assert copies(total) == [[10.0, 14.0]] * 3
+    total.assign_add(delta)  # cross-replica: one value for every copy
+    assert copies(total) == [[13.0, 18.0]] * 3
+
+
 def test_a_list_that_is_the_same_on_every_replica_follows_the_rules_of_one_value(strategy):
     with strategy.scope():
         total = distrib.Variable(np.zeros(2, np.float32), aggregation="SUM")
