@@ -160,9 +160,12 @@ class MirroredVariable(DistributedVariable):
             getattr(local, method)(value)
             return self
         shape = getattr(value, "shape", None)
-        if shape is not None and not isinstance(value, DistributedValues):  # each replica's own mistake raises in
-            check_shape(method, tuple(shape), self.shape, self._name)  # that replica, before any collective
         ctx = context.get_replica_context()
+        # each replica's own mistake raises in that replica, before any collective; with ONLY_FIRST_REPLICA the
+        # others' values are never used, and TensorFlow takes any
+        if shape is not None and not isinstance(value, DistributedValues) and (
+                self._aggregation is not VariableAggregation.ONLY_FIRST_REPLICA or ctx.replica_id_in_sync_group == 0):
+            check_shape(method, tuple(shape), self.shape, self._name)
         ctx.merge_call(_merge_mirrored_write, args=(self, method, value))
         # the value this write left, as TensorFlow returns it: a read-only view that later writes never change (the
         # variable itself would read as the last write's value, so a kept step result would change under it)

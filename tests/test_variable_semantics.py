@@ -224,6 +224,16 @@ def test_variables_stay_equal_only_to_themselves_and_hash_by_identity(strategy):
 # -- 4. a value of another shape is refused -----------------------------------------------------------------------
 
 
+def test_only_first_replica_checks_the_shape_of_the_value_it_uses_alone(strategy):
+    # before, a replica other than the first raised on a value of another shape that TensorFlow ignores
+    with strategy.scope():
+        first = distrib.Variable(np.zeros(2, np.float32), aggregation="ONLY_FIRST_REPLICA")
+    strategy.run(lambda: first.assign(np.array([5.0, 6.0] if replica_id() == 0 else [1.0, 2.0, 3.0], np.float32)))
+    assert copies(first) == [[5.0, 6.0]] * 3
+    with pytest.raises(ValueError, match=r"assign needs a value of shape \(2,\).*raised in replica 0 of 3"):
+        strategy.run(lambda: first.assign(np.ones(3 if replica_id() == 0 else 2, np.float32)))
+
+
 def test_a_value_of_another_shape_is_refused_not_broadcast():
     kernel = distrib.Variable(np.zeros((3, 3), np.float32), name="kernel")
     # before: (3, 1) filled the rows, (3,) was tiled
