@@ -467,6 +467,11 @@ class StrategyExtended(abc.ABC):
                                ) -> Any:
         """Runs `fn` once per replica, each in its replica context; the results regrouped."""
 
+    def call_for_each_replica(self, fn: Callable, args: Sequence = (), kwargs: dict | None = None) -> Any:
+        """TensorFlow's `extended.call_for_each_replica`: `fn(*args, **kwargs)` once per replica, exactly as
+        `Strategy.run(fn, args, kwargs)` calls it (same contexts, unwrapping and regrouping)."""
+        return self._container_strategy.run(fn, args=args, kwargs=kwargs)
+
     def _run_at_once(self, fn: Callable, args: Sequence, kwargs: dict | None) -> Any:
         """All of `Strategy.run` without options in one call where the strategy has a path for it, else NOT_NOW
         (then `_call_for_each_replica` runs it)."""

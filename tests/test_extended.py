@@ -175,3 +175,18 @@ def test_batch_reduce_to_names_a_distributed_value_given_instead_of_a_pair_in_on
         strategy.extended.batch_reduce_to("SUM", [value])
     assert str(error.value) == "value_destination_pairs[0] must be a (value, destinations) pair. Received: a " \
                                "PerReplica."
+
+
+# -- call_for_each_replica ---------------------------------------------------------------------------------------
+
+
+def test_call_for_each_replica_runs_fn_as_run_does(strategy):
+    # before: AttributeError, on every strategy's extended
+    doubled = per_replica(strategy, lambda r: np.float32(r))
+    out = strategy.extended.call_for_each_replica(lambda x, scale: x * scale, args=(doubled,),
+                                                  kwargs={"scale": np.float32(2)})
+    assert [float(x) for x in local(strategy, out)] == [0.0, 2.0, 4.0, 6.0]
+    summed = strategy.extended.call_for_each_replica(
+        lambda: distrib.get_replica_context().all_reduce("SUM", np.float32(1)))
+    assert [float(x) for x in local(strategy, summed)] == [4.0] * 4
+    assert distrib.get_strategy().extended.call_for_each_replica(lambda x: x + 1, args=(1.0,)) == 2.0
