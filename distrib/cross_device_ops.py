@@ -89,7 +89,10 @@ class CrossDeviceOps:
 
 def _reduce_on(backend: Backend, op: ReduceOp, components: Sequence[Any], target: str,
                accumulation_fn: Callable | None = None) -> Any:
-    """The SUM or MEAN of same-shaped per-device arrays, computed on `target` (integer MEAN: a float result)."""
+    """The SUM or MEAN of same-shaped per-device arrays, computed on `target` (integer MEAN: a float result, but
+    for one array, whose MEAN is itself: TensorFlow's shortcut for one replica)."""
+    if op is ReduceOp.MEAN and len(components) == 1:
+        op = ReduceOp.SUM
     if accumulation_fn is not None:  # the sum in add_n's place, on the timeline as add_n's is
         with timeline.span("add_n", "collective", (target,), {"bytes": int(getattr(components[0], "nbytes", 0))}):
             total = accumulation_fn([backend.copy(c, target) for c in components])
@@ -97,7 +100,9 @@ def _reduce_on(backend: Backend, op: ReduceOp, components: Sequence[Any], target
         total = backend.add_n(list(components), target)
     if op is ReduceOp.MEAN:
         with backend.device_scope(target):
-            if accumulation_fn is None and planner.is_inexact(total.dtype):
+            if not planner.is_inexact(total.dtype):  # float32 or float64, as TensorFlow's true division
+                total = planner.integer_mean(backend.xp.asarray(total), len(components))
+            elif accumulation_fn is None:
                 total /= len(components)  # add_n's fresh buffer: divide in place
             else:
                 total = backend.xp.asarray(total / len(components))  # NumPy makes 0-d / int a scalar

@@ -22,6 +22,7 @@ from distrib.errors import ContextError
 from distrib.input import InputWorkers
 from distrib.interrupts import deferred_interrupts
 from distrib.options import CommunicationOptions, ReduceOp, RunOptions
+from distrib.plan import integer_mean, is_inexact
 from distrib.reduce_inputs import (PER_REPLICA, REDUCIBLE, check_reduce_inputs, component_array, never_placed,
                                    placed_batch)
 from distrib.replica_context import normalize_axes
@@ -439,7 +440,8 @@ class StrategyExtended(abc.ABC):
             return totals
         global_counts = totals.pop()
         # 0-d division gives a NumPy scalar
-        return [np.asarray(total / np.asarray(count, dtype=total.dtype)) for total, count in zip(totals, global_counts)]
+        return [np.asarray(total / np.asarray(count, dtype=total.dtype)) if is_inexact(total.dtype)
+                else integer_mean(total, int(count)) for total, count in zip(totals, global_counts)]
 
     # -- the ReplicaHost interface (distrib/replica_context.py) ------------------------------------------
 

@@ -147,6 +147,16 @@ def is_inexact(dtype: object) -> bool:
     return dtype_name(dtype).startswith(FLOAT_PREFIXES)
 
 
+def integer_mean(total, count: int):
+    """An integer sum's MEAN over `count` replicas as TensorFlow's true division gives it: float32 for 8- and
+    16-bit integers, float64 for wider ones (NumPy's `/` gives float64 for all), computed in that dtype; a
+    NumPy or CuPy array, 0-d included."""
+    dtype = np.float32 if np.dtype(total.dtype).itemsize <= 2 else np.float64
+    out = total.astype(dtype)  # a copy: the sum may be a read-only view shared between replicas
+    out /= count
+    return out
+
+
 def _normalize(specs: Sequence[Spec]) -> list[tuple[tuple[int, ...], str, int]]:
     out = []
     for shape, dtype in specs:

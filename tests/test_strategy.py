@@ -138,6 +138,30 @@ def test_reduce_mean_of_integers_along_an_axis_is_a_float(strategy):
     assert strategy.reduce("SUM", ints, axis=0).dtype == np.int32
 
 
+@pytest.mark.parametrize("dtype, mean_dtype", [("int8", "float32"), ("uint8", "float32"), ("int16", "float32"),
+                                               ("uint16", "float32"), ("int32", "float64"), ("uint64", "float64")])
+@pytest.mark.parametrize("ops", [None, distrib.HierarchicalCopyAllReduce(), distrib.ReductionToOneDevice()],
+                         ids=["default", "hierarchical", "one-device"])
+def test_the_mean_of_integers_has_tensorflows_dtype(dtype, mean_dtype, ops):
+    # before: float64 for every integer; TensorFlow's true division gives float32 for 8- and 16-bit integers
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1", "CPU:2", "CPU:3"], cross_device_ops=ops)
+    ints = per_replica(strategy, lambda r: np.array([r, 2 * r], dtype))
+    means = [strategy.reduce("MEAN", ints, axis=None), strategy.reduce("MEAN", ints, axis=0),
+             local(strategy, strategy.extended.reduce_to("MEAN", ints, destinations="CPU:0"))[0],
+             local(strategy, strategy.run(lambda x: distrib.get_replica_context().all_reduce("MEAN", x),
+                                          args=(ints,)))[3]]
+    assert [m.dtype.name for m in means] == [mean_dtype] * 4
+    assert [np.asarray(m).tolist() for m in means] == [[1.5, 3.0], 2.25, [1.5, 3.0], [1.5, 3.0]]
+
+
+def test_the_mean_of_one_replicas_integers_is_itself():
+    # before: float64 from Strategy.reduce on one device, where reduce_to and TensorFlow keep the integers
+    one = distrib.MirroredStrategy(["CPU:0"])
+    ints = one.experimental_distribute_values_from_function(lambda ctx: np.array([1, 2, 3], np.int32))
+    assert one.reduce("MEAN", ints, axis=None).dtype == np.int32
+    assert one.extended.reduce_to("MEAN", ints, destinations="CPU:0").values[0].dtype == np.int32
+
+
 def test_reduce_of_a_nested_structure_reduces_each_leaf(strategy):
     value = {"a": per_replica(strategy, lambda r: np.float32(r)),
              "b": [per_replica(strategy, lambda r: np.full(2, r, np.int64))]}

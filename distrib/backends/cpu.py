@@ -25,7 +25,7 @@ from distrib.backends.torch_tensors import exportable, is_torch_tensor
 from distrib.devices import parse_device
 from distrib.errors import BackendUnavailableError
 from distrib.install_hint import pip_install
-from distrib.plan import NATIVE, NCCL, Buffer, dtype_name
+from distrib.plan import NATIVE, NCCL, Buffer, dtype_name, integer_mean
 
 DEFAULT_REPLICAS = 2
 # Every replica is a thread of this process (in cooperative runs too, which share the merges' work on them): past a
@@ -357,7 +357,7 @@ class CpuBackend(Backend):
         reduced = self._plan_all_reduce(plan, [array.reshape(-1) for array in arrays], plan.packing.buffers[0].chunks,
                                         devices, float_mean, timeout)
         if plan.mean and not float_mean:  # integer MEAN: the sum, then true division, as TensorFlow does
-            reduced = _shared(reduced[0] / (replicas or len(arrays)), len(devices))
+            reduced = _shared(integer_mean(reduced[0], replicas or len(arrays)), len(devices))
         return reduced if shape is None else [value.reshape(shape) for value in reduced]
 
     def _pack_all(self, members, buffer, devices):

@@ -20,7 +20,7 @@ from distrib.backends.packed import FLOAT_PREFIXES, unpack_into
 from distrib.backends.process_group import ProcessGroup
 from distrib.backends.signatures import signature
 from distrib.errors import BackendUnavailableError
-from distrib.plan import NCCL, AllReducePlan, dtype_name
+from distrib.plan import NCCL, AllReducePlan, dtype_name, integer_mean
 
 # elements per MPI call (read at each call): MPI-3 counts are C ints, and Open MPI 4.1 refuses a larger one with
 # "MPI_ERR_ARG: invalid argument of some other kind", so larger arrays travel in several calls
@@ -204,7 +204,7 @@ class MpiBackend(CpuBackend):
                     np.true_divide(total, count, out=total)
                 total.setflags(write=False)  # read-only, as TensorFlow's tensors are
                 result = total if shape is None else total.reshape(shape)
-                return [[np.asarray(result / count) if plan.mean and not float_mean else result]]
+                return [[integer_mean(result, count) if plan.mean and not float_mean else result]]
         if single is not None:  # one value of several local replicas (or, recording, one): summed here, then across,
             # without packing
             reduced = self._one_value(single, [values[0] for values in per_device], plan, devices, timeout, count)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from distrib.plan import FLOAT_PREFIXES, HIERARCHICAL, RING, AllReducePlan, Buffer
+from distrib.plan import FLOAT_PREFIXES, HIERARCHICAL, RING, AllReducePlan, Buffer, integer_mean
 
 if TYPE_CHECKING:  # pragma: no cover
     from distrib.backends.base import Backend
@@ -59,11 +59,11 @@ def unpack_into(results: list[list[Any]], backend: "Backend", plan: AllReducePla
     """Writes the members of each device's reduced flat buffer into `results[device][value index]`; an integer
     MEAN is divided here, after the sum (true division, as TensorFlow does), by `replicas` (default: one per
     device; across processes, every process's)."""
-    integer_mean = plan.mean and not buffer.dtype.startswith(FLOAT_PREFIXES)
+    integers_to_divide = plan.mean and not buffer.dtype.startswith(FLOAT_PREFIXES)
     for out, arrays, device in zip(results, backend.unpack_all(reduced, buffer), devices):
-        if integer_mean:
+        if integers_to_divide:
             with backend.device_scope(device):
-                arrays = [backend.xp.asarray(a / (replicas or len(devices))) for a in arrays]
+                arrays = [backend.xp.asarray(integer_mean(a, replicas or len(devices))) for a in arrays]
         for member, array in zip(buffer.members, arrays):
             out[member.index] = array
 

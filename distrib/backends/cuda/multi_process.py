@@ -29,7 +29,7 @@ from distrib.backends.cuda.backend import PROTOCOL_METHODS, CudaBackend
 from distrib.backends.process_group import ProcessGroup
 from distrib.mpi_env import mpi_environment
 from distrib.errors import CollectiveError, DeadlineExceededError, WorkerFailedError
-from distrib.plan import NATIVE, is_inexact
+from distrib.plan import NATIVE, integer_mean, is_inexact
 
 
 MAX_LEAD = 2  # collectives a rank may launch past the last one every peer has launched
@@ -150,7 +150,7 @@ class MultiProcessCudaBackend(CudaBackend):
                 out.append(array)
             else:  # integer MEAN: SUM, then true division, as TensorFlow does
                 with self._on(array.device.id):
-                    out.append(array / count)
+                    out.append(integer_mean(array, count))
         return out
 
     def execute(self, plan, per_device, devices, *, timeout=None):
