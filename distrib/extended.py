@@ -421,6 +421,8 @@ class StrategyExtended(abc.ABC):
             if components is None:  # TensorFlow runs the per-replica reduction on every replica
                 components = (leaf,) * len(devices)
             arrays = [backend.to_device(c, d) for c, d in zip(components, devices)]
+            if arrays[0].dtype == np.bool_:  # its sum along the axis would be an int64 count: refused, as with
+                check_reduce_inputs(arrays[:1], k)  # axis=None and in TensorFlow
             axes = normalize_axes(axis, arrays[0].ndim)
             partial = []
             for array, device in zip(arrays, devices):

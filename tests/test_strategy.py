@@ -274,6 +274,15 @@ def test_dates_are_refused_as_values_that_cannot_be_summed(strategy):
         strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", dates))
 
 
+@pytest.mark.parametrize("axis", [None, 0])
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_booleans_are_refused_with_or_without_an_axis(strategy, op, axis):
+    # before, with an axis: SUM counted the Trues (int64) and MEAN gave their share; TensorFlow refuses both
+    flags = strategy.experimental_distribute_values_from_function(lambda ctx: np.array([True, False]))
+    with pytest.raises(TypeError, match=r"^Reductions need numeric values\. Received: dtype bool at value 0\.$"):
+        strategy.reduce(op, flags, axis=axis)
+
+
 @pytest.mark.parametrize("axis", [1.0, True, "0"])
 def test_reduce_rejects_axes_that_are_not_ints(strategy, blocks, axis):
     with pytest.raises(TypeError, match="axis must be an int, a tuple of ints or None"):
