@@ -344,3 +344,13 @@ def test_all_gather_of_strings_is_a_clear_type_error(strategy, replicas):
     target = strategy if replicas == 4 else distrib.MirroredStrategy(["CPU:0"])
     with pytest.raises(TypeError, match=r"all_gather needs arrays of numbers. Received: dtype <U1 at path <root>"):
         target.run(lambda: distrib.get_replica_context().all_gather(np.array(["a", "b"]), 0))
+
+
+def test_an_array_every_replica_passes_to_a_collective_counts_once_per_replica(strategy):
+    # as inside a tf.function, where each replica's copy is its own tensor (README: eager TensorFlow differs)
+    captured = np.array([1.0, 2.0], np.float32)
+    summed = strategy.run(lambda: distrib.get_replica_context().all_reduce("SUM", captured))
+    gathered = strategy.run(lambda: distrib.get_replica_context().all_gather(captured, axis=0))
+    n = strategy.num_replicas_in_sync
+    assert [x.tolist() for x in local(strategy, summed)] == [[1.0 * n, 2.0 * n]] * n
+    assert local(strategy, gathered)[0].tolist() == [1.0, 2.0] * n
