@@ -296,7 +296,10 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     if len(per_replica) == 1 and not always_wrap and kind in LEAF_TYPES:  # one replica's array: itself
         return first
     if always_wrap:  # every leaf wrapped, None included: TensorFlow's values from a function
-        return _regroup_leaves(per_replica, _flatten_none_too, wrap_class, True, rule)
+        try:
+            return _regroup_leaves(per_replica, _flatten_none_too, wrap_class, True, rule)
+        except _StructureMismatch as mismatch:
+            raise ValueError(str(mismatch)) from None
     if _is_empty(first) and all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine
         return {} if type(first) is dict else first
     if len(per_replica) == 1:  # every leaf is "the same object everywhere": itself

@@ -216,6 +216,10 @@ def test_values_from_a_function_wrap_none_as_tensorflow_does(strategy):
     assert some.values == (1.0, 1.0, None, 1.0)
     assert strategy.run(lambda x: x, args=(some,)).values == (1.0, 1.0, None, 1.0)
     assert strategy.experimental_distribute_values_from_function(lambda ctx: ()) == ()
+    # structures that differ are the ValueError run's are, not a private exception type
+    with pytest.raises(ValueError, match=r"path \['a'\] exists only on replica 0"):
+        strategy.experimental_distribute_values_from_function(
+            lambda ctx: {"a": 1} if ctx.replica_id_in_sync_group == 0 else {"b": 1})
 
 
 def test_run_results_follow_the_regroup_rules(strategy):
