@@ -11,8 +11,8 @@ and `run` the strategy's API on top of it. The columns are interleaved call by c
 barrier and timed on its own, so a core taken away by another job hits every column alike and shows up as an
 outlier that the median ignores. Their order is shuffled at every round (the same on every rank): a call pays for
 the state the call before it left in the caches, so in a fixed order each column pays for its own predecessor
-(2026-12-07, 1 MB: the same raw Allreduce took 259 µs after a raw call and 270 µs after a backend call). The target: distrib's median within 10 % of raw's
-from 1 MB (PASS/FAIL per row and column).
+(2026-12-07, 1 MB: the same raw Allreduce took 259 µs after a raw call and 270 µs after a backend call). The
+target: distrib's median within 10 % of raw's from 1 MB (PASS/FAIL per row and column).
 Rank 0 prints the table and writes the JSON to bench/results/multi-worker-<date>-cpu.json.
 """
 

@@ -296,10 +296,7 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     if len(per_replica) == 1 and not always_wrap and kind in LEAF_TYPES:  # one replica's array: itself
         return first
     if always_wrap:  # every leaf wrapped, None included: TensorFlow's values from a function
-        try:
-            return _regroup_leaves(per_replica, _flatten_none_too, wrap_class, True, rule)
-        except _StructureMismatch as mismatch:
-            raise ValueError(str(mismatch)) from None
+        return _regroup_by_first_fit(per_replica, (_flatten_none_too,), wrap_class, True, rule)
     if _is_empty(first) and all(type(x) is type(first) and not x for x in per_replica):  # nothing to combine
         return {} if type(first) is dict else first
     if len(per_replica) == 1:  # every leaf is "the same object everywhere": itself
@@ -308,17 +305,25 @@ def regroup(per_replica: Sequence[Any], wrap_class: type = PerReplica, always_wr
     if kind in LEAF_TYPES and per_replica[1] is not first and \
             all(type(x) is kind for x in per_replica):  # one distinct array per replica: the usual result of a run
         return wrap_class._wrap(tuple(per_replica))
-    try:
-        return _regroup_leaves(per_replica, flatten, wrap_class, False, rule)
-    except _StructureMismatch as mismatch:
-        try:  # None on some replicas where the others have a value: a leaf there, as in tf.nest
-            return _regroup_leaves(per_replica, _flatten_none_too, wrap_class, False, rule)
-        except _StructureMismatch:
-            raise ValueError(str(mismatch)) from None
+    # then, for None on some replicas where the others have a value, None as a leaf there, as in tf.nest
+    return _regroup_by_first_fit(per_replica, (flatten, _flatten_none_too), wrap_class, False, rule)
 
 
 class _StructureMismatch(Exception):
-    """Two replicas' structures differ (regroup's ValueError, before the retry that takes None as a leaf)."""
+    """Two replicas' structures differ under one way of flattening them (never leaves `regroup`)."""
+
+
+def _regroup_by_first_fit(per_replica: Sequence[Any], flattens: Sequence[Callable], wrap_class: type,
+                          always_wrap: bool, rule: str) -> Any:
+    """`_regroup_leaves` with the first of `flattens` under which every replica's structure matches; else the
+    ValueError of the first mismatch."""
+    mismatch = None
+    for flatten_one in flattens:
+        try:
+            return _regroup_leaves(per_replica, flatten_one, wrap_class, always_wrap, rule)
+        except _StructureMismatch as exc:
+            mismatch = mismatch or exc
+    raise ValueError(str(mismatch)) from None
 
 
 def _flatten_none_too(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:

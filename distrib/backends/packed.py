@@ -63,7 +63,7 @@ def unpack_into(results: list[list[Any]], backend: "Backend", plan: AllReducePla
     for out, arrays, device in zip(results, backend.unpack_all(reduced, buffer), devices):
         if integers_to_divide:
             with backend.device_scope(device):
-                arrays = [backend.xp.asarray(integer_mean(a, replicas or len(devices))) for a in arrays]
+                arrays = [integer_mean(a, replicas or len(devices)) for a in arrays]
         for member, array in zip(buffer.members, arrays):
             out[member.index] = array
 

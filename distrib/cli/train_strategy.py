@@ -101,8 +101,8 @@ def make_strategy(args: argparse.Namespace) -> Strategy:
         strategy = MirroredStrategy(devices, replica_execution=replica_execution())
     replicas = strategy.num_replicas_in_sync
     if args.global_batch_size % replicas:
-        raise AlikeOnEveryRank(f"--global-batch-size must divide evenly over the {replicas} replicas, so that every "
-                         f"replica's batch mean weighs rows equally. Received: {args.global_batch_size}.")
+        raise AlikeOnEveryRank(f"--global-batch-size must divide evenly over the {replicas} replicas, so that "
+                               f"every replica's batch mean weighs rows equally. Received: {args.global_batch_size}.")
     compute_dtype(args.precision, strategy.extended.backend.xp)
     return strategy
 
