@@ -18,7 +18,8 @@ from distrib.extended import NOT_NOW, StrategyExtended
 from distrib.input import DistributedDataset, DistributedDatasetsFromFunction, InputContext, ValueContext
 from distrib.options import CommunicationOptions, InputOptions, ReduceOp, RunOptions
 from distrib.replica_context import ReplicaContext, check_gather_shapes
-from distrib.values import PerReplica, flatten, local_components, map_structure, regroup, select_replica, unflatten
+from distrib.values import (PerReplica, flatten, holds_none, local_components, map_structure, regroup, select_replica,
+                            unflatten)
 from distrib.variables import Variable
 
 
@@ -177,6 +178,9 @@ class Strategy:
         """
         self._extended._require_cross_replica("Strategy.reduce")
         op = ReduceOp.from_value(reduce_op)
+        if op is ReduceOp.SUM and holds_none(value):  # TensorFlow fails to convert it to a tensor; MEAN passes it on
+            raise ValueError(f"Strategy.reduce cannot sum None (did the replica function return nothing?). Received: "
+                             f"{value!r}. Reduce arrays, or leave None out of the structure.")
         with self._enter_scope():  # `with self.scope()` without the re-enterable object it makes (a thread-local)
             leaves, spec = flatten(value)
             return unflatten(spec, self._extended._reduce_to_host(op, leaves, axis))

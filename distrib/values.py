@@ -326,6 +326,12 @@ def _regroup_by_first_fit(per_replica: Sequence[Any], flattens: Sequence[Callabl
     raise ValueError(str(mismatch)) from None
 
 
+def holds_none(structure: Any) -> bool:
+    """Whether `structure` is None or has None among its leaves (`flatten` drops them, as empty structures)."""
+    return structure is None or type(structure) not in LEAF_TYPES and \
+        any(leaf is None for leaf in _flatten_none_too(structure)[0])
+
+
 def _flatten_none_too(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     return optree.tree_flatten(structure, none_is_leaf=True, namespace=_NAMESPACE)
 

@@ -162,6 +162,14 @@ def test_the_mean_of_one_replicas_integers_is_itself():
     assert one.extended.reduce_to("MEAN", ints, destinations="CPU:0").values[0].dtype == np.int32
 
 
+@pytest.mark.parametrize("value", [None, {"loss": None, "count": 1.0}], ids=["None", "None leaf"])
+def test_reduce_sum_of_none_is_refused_and_mean_passes_it_on_as_in_tensorflow(strategy, value):
+    with pytest.raises(ValueError, match=r"Strategy.reduce cannot sum None \(did the replica function return "):
+        strategy.reduce("SUM", value, axis=None)
+    assert strategy.reduce("MEAN", None, axis=None) is None
+    assert strategy.reduce("MEAN", {"loss": None}, axis=None) == {"loss": None}
+
+
 def test_reduce_of_a_nested_structure_reduces_each_leaf(strategy):
     value = {"a": per_replica(strategy, lambda r: np.float32(r)),
              "b": [per_replica(strategy, lambda r: np.full(2, r, np.int64))]}

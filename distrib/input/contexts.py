@@ -29,10 +29,28 @@ class InputContext:
       2
     """
 
+    __slots__ = ("_num_input_pipelines", "_input_pipeline_id", "_num_replicas_in_sync")
+
     def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0, num_replicas_in_sync: int = 1):
-        self.num_input_pipelines = num_input_pipelines
-        self.input_pipeline_id = input_pipeline_id
-        self.num_replicas_in_sync = num_replicas_in_sync
+        self._num_input_pipelines = num_input_pipelines
+        self._input_pipeline_id = input_pipeline_id
+        self._num_replicas_in_sync = num_replicas_in_sync
+
+    # read-only, as TensorFlow's: a dataset_fn that changed them would change what every later call is told
+    @property
+    def num_input_pipelines(self) -> int:
+        """How many input pipelines the strategy builds (one per worker)."""
+        return self._num_input_pipelines
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """Which of them this call builds, from 0."""
+        return self._input_pipeline_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas in sync across every worker."""
+        return self._num_replicas_in_sync
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """`global_batch_size // num_replicas_in_sync`; ValueError unless it divides evenly."""

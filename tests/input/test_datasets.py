@@ -802,3 +802,17 @@ def test_one_long_pause_of_the_consumer_does_not_start_the_prefetch_thread_for_g
     busy = [prefetcher._consumer_is_busy(pause) for _ in range(20)]  # a training step between every two steps
     assert busy[-1] and busy.index(True) < 10
     prefetcher.close()
+
+
+def test_input_context_fields_are_read_only_as_in_tensorflow(strategy):
+    seen = []
+
+    def dataset_fn(ctx):
+        for name in ("num_input_pipelines", "input_pipeline_id", "num_replicas_in_sync"):
+            with pytest.raises(AttributeError):
+                setattr(ctx, name, 7)
+        seen.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync))
+        return [np.zeros(4)]
+
+    strategy.distribute_datasets_from_function(dataset_fn)
+    assert seen == [(1, 0, 4)]
