@@ -264,9 +264,19 @@ class InputOptions:
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise ValueError(f"experimental_per_replica_buffer_size must be an int >= 0 (0: no prefetching). "
                              f"Received: {size!r}.")
-        if self.experimental_place_dataset_on_device and self.experimental_fetch_to_device:
-            raise ValueError("experimental_place_dataset_on_device=True requires experimental_fetch_to_device=False.")
-        if self.experimental_place_dataset_on_device and \
-                self.experimental_replication_mode is not InputReplicationMode.PER_REPLICA:
+
+    def check_dataset_placement(self) -> None:
+        """What `distribute_datasets_from_function` asks of `experimental_place_dataset_on_device` (checked there, as
+        TensorFlow does; `experimental_distribute_dataset` ignores it).
+
+        Raises:
+          ValueError: it is True with a replication mode other than PER_REPLICA, or with fetching to device.
+        """
+        if not self.experimental_place_dataset_on_device:
+            return
+        if self.experimental_replication_mode is not InputReplicationMode.PER_REPLICA:
             raise ValueError("experimental_place_dataset_on_device=True requires "
                              "experimental_replication_mode=InputReplicationMode.PER_REPLICA (as in TensorFlow).")
+        if self.experimental_fetch_to_device:
+            raise ValueError("experimental_place_dataset_on_device=True requires experimental_fetch_to_device=False "
+                             "(as in TensorFlow).")

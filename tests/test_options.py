@@ -204,13 +204,23 @@ def test_fetch_to_device_none_means_true_as_in_tensorflow():
     assert InputOptions(None).experimental_fetch_to_device is True
 
 
-def test_placing_the_dataset_on_device_excludes_fetching_to_device_and_needs_per_replica_mode():
-    with pytest.raises(ValueError, match="experimental_place_dataset_on_device=True requires "
-                                         "experimental_fetch_to_device=False"):
-        InputOptions(experimental_place_dataset_on_device=True)
+def test_placing_the_dataset_on_device_is_checked_by_datasets_from_function_only_as_in_tensorflow():
+    strategy = distrib.MirroredStrategy(["CPU:0", "CPU:1"])
+    batches = [np.arange(4.0), np.arange(4.0, 8.0)]
+    on_device = InputOptions(experimental_place_dataset_on_device=True)  # constructed, as TensorFlow's
+    per_replica = InputOptions(experimental_place_dataset_on_device=True,
+                               experimental_replication_mode=InputReplicationMode.PER_REPLICA)
     with pytest.raises(ValueError, match="experimental_place_dataset_on_device=True requires "
                                          "experimental_replication_mode=InputReplicationMode.PER_REPLICA"):
-        InputOptions(experimental_place_dataset_on_device=True, experimental_fetch_to_device=False)
+        strategy.distribute_datasets_from_function(lambda ctx: batches[:1], on_device)
+    with pytest.raises(ValueError, match="experimental_place_dataset_on_device=True requires "
+                                         "experimental_fetch_to_device=False"):
+        strategy.distribute_datasets_from_function(lambda ctx: batches[:1], per_replica)
+    placed = InputOptions(experimental_place_dataset_on_device=True, experimental_fetch_to_device=False,
+                          experimental_replication_mode=InputReplicationMode.PER_REPLICA)
+    assert len(list(strategy.distribute_datasets_from_function(lambda ctx: batches[:1], placed))) == 1
+    steps = list(strategy.experimental_distribute_dataset(batches, on_device))  # ignored there
+    np.testing.assert_array_equal(strategy.experimental_local_results(steps[1])[1], [6.0, 7.0])
 
 
 def test_one_enum_coercer_takes_members_and_names_in_any_case_and_states_the_rule():

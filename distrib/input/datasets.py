@@ -325,6 +325,7 @@ class DistributedDatasetsFromFunction(_DatasetBase):
         super().__init__(workers, options)
         if not callable(dataset_fn):
             raise TypeError(f"dataset_fn must be callable. Received: {type(dataset_fn).__name__}.")
+        self._options.check_dataset_placement()
         count = workers.num_replicas_in_sync
         if self._options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
             first = workers.first_local_replica
