@@ -361,6 +361,12 @@ class _DefaultStrategy(Strategy):
         self._extended._require_cross_replica("experimental_distribute_values_from_function")
         return value_fn(ValueContext())
 
+    def experimental_distribute_dataset(self, dataset: Iterable, options: InputOptions | None = None
+                                        ) -> DistributedDataset:
+        """`dataset`'s batches whole, on the one replica; `options` are ignored, as TensorFlow's default strategy
+        ignores them (its PER_REPLICA mode included)."""
+        return super().experimental_distribute_dataset(dataset)
+
     def __repr__(self) -> str:
         return "<DefaultStrategy>"
 

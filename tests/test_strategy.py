@@ -394,6 +394,16 @@ def test_the_default_strategy_reduces_and_gathers_one_replica():
         == 6
 
 
+def test_the_default_strategy_ignores_input_options_as_tensorflow_does():
+    default = distrib.get_strategy()
+    per_replica = distrib.InputOptions(experimental_replication_mode=distrib.InputReplicationMode.PER_REPLICA)
+    batches = [np.arange(4), np.arange(4, 8)]
+    steps = list(default.experimental_distribute_dataset(batches, per_replica))  # before: NotImplementedError
+    assert [step.tolist() for step in steps] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [step.tolist() for step in default.distribute_datasets_from_function(lambda ctx: batches, per_replica)] \
+        == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
 def test_the_default_replica_context_collectives_return_the_value():
     ctx = distrib.get_replica_context()
     assert float(ctx.all_reduce("MEAN", np.float32(3))) == 3.0
