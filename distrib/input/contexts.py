@@ -21,36 +21,20 @@ class ValueContext:
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
 
 
+@dataclass(frozen=True)
 class InputContext:
     """What `distribute_datasets_from_function` tells `dataset_fn`: which pipeline it builds, out of how many.
+
+    Its fields are read-only, as TensorFlow's: a dataset_fn that changed them would change what later calls are told.
 
     Example:
       >>> InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4).get_per_replica_batch_size(8)
       2
     """
 
-    __slots__ = ("_num_input_pipelines", "_input_pipeline_id", "_num_replicas_in_sync")
-
-    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0, num_replicas_in_sync: int = 1):
-        self._num_input_pipelines = num_input_pipelines
-        self._input_pipeline_id = input_pipeline_id
-        self._num_replicas_in_sync = num_replicas_in_sync
-
-    # read-only, as TensorFlow's: a dataset_fn that changed them would change what every later call is told
-    @property
-    def num_input_pipelines(self) -> int:
-        """How many input pipelines the strategy builds (one per worker)."""
-        return self._num_input_pipelines
-
-    @property
-    def input_pipeline_id(self) -> int:
-        """Which of them this call builds, from 0."""
-        return self._input_pipeline_id
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        """Replicas in sync across every worker."""
-        return self._num_replicas_in_sync
+    num_input_pipelines: int = 1  # one per worker
+    input_pipeline_id: int = 0  # the one this call builds
+    num_replicas_in_sync: int = 1  # across every worker
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """`global_batch_size // num_replicas_in_sync`; ValueError unless it divides evenly."""
@@ -60,10 +44,6 @@ class InputContext:
             raise ValueError(f"The global batch size ({global_batch_size}) must be divisible by the number of "
                              f"replicas in sync ({self.num_replicas_in_sync}).")
         return global_batch_size // self.num_replicas_in_sync
-
-    def __repr__(self) -> str:
-        return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, input_pipeline_id="
-                f"{self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})")
 
 
 @dataclass(frozen=True)
